@@ -19,12 +19,13 @@ import yaml
 __all__ = ['SECTIONS', 'RUN_KEYS', 'project_root', 'data_dir', 'configs_dir', 'ConfigError', 'from_dict', 'to_dict', 'Preset',
            'list_presets', 'load_preset', 'seed_everything', 'resolve_device', 'Artifacts', 'paper_vs_ours']
 
-# %% ../../nbs/00_core.ipynb #f3c1376e
+# %% ../../nbs/00_core.ipynb #a7374900
 def project_root() -> Path:
     "The openpretrain checkout: `$OPENPRETRAIN_ROOT`, else the nearest parent of the cwd (or of this file) with configs/."
     if env := os.environ.get("OPENPRETRAIN_ROOT"):
         return Path(env).resolve()
-    for start in (Path.cwd(), Path(__file__).resolve().parent):
+    here = Path(globals().get("__file__", ".")).resolve().parent  # the package dir; cwd inside a notebook
+    for start in (Path.cwd(), here):
         for p in (start, *start.parents):
             if (p / "pyproject.toml").is_file() and (p / "configs").is_dir():
                 return p

@@ -1,0 +1,59 @@
+# openpretrain — every target sets up what it needs (.venv), so each works on a fresh clone.
+#   make report   regenerate outputs/<preset>/ (PRESET=tiny by default; settings.ini holds the defaults)
+#   make test     notebook tests (nbdev-test, #| slow cells skipped) + pytest (slow marker skipped)
+#   make bench    benchmarks (ratios against a reference measured in the same run; not run in CI)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PRESET ?=
+# CPU torch where no NVIDIA GPU is visible (that wheel is on the dev/CI machines' disk); a CUDA build elsewhere.
+TORCH := $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+EXTRAS := dev,tokenizers,toxicity
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export HF_DATASETS_OFFLINE := 1
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv report test test-slow check-sync bench bench-gpu lint data tokenizers clean
+
+# The environment: rebuilt only when pyproject.toml changes (the stamp records the install).
+$(VENV)/.stamp: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+venv: $(VENV)/.stamp
+
+report: venv
+	-$(MAKE) --no-print-directory tokenizers
+	$(BIN)/openpretrain report $(if $(PRESET),--preset $(PRESET))
+
+test: venv
+	OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers 2 --timing --cell-timing-min 5
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --durations=10
+
+test-slow: venv
+	$(BIN)/nbdev-test --flags slow --n-workers 2
+	$(BIN)/pytest -q -m slow
+
+# CI: the notebooks are the source of lib/, so exporting and cleaning them must change nothing.
+check-sync: venv
+	$(BIN)/nbdev-export
+	$(BIN)/nbdev-clean
+	git status --porcelain -- lib nbs | tee /dev/stderr | (! grep -q .) \
+	  || { echo "lib/ or nbs/ changed after nbdev-export/nbdev-clean: export, clean and commit"; exit 1; }
+
+bench: venv
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+bench-gpu: venv
+	$(BIN)/python benchmarks/gpu.py
+
+lint: venv
+	$(BIN)/ruff check lib kernels tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
