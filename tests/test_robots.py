@@ -1,0 +1,475 @@
+"""Retroactive robots.txt filtering (chapter 02) and the compliance ledger (chapter 02a)."""
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pandas as pd
+import pytest
+from datatrove.data import Document
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openpretrain.compliance.ledger import Ledger, record
+from openpretrain.compliance.robots import (AI_USER_AGENTS, MAX_ROBOTS_BYTES, POLICIES, REPORT_AGENTS, RobotsConfig,
+                                            RobotsFilter, RobotsOracle, fetch_robots, group_applied_before_07,
+                                            group_applies, host_key, is_allowed, rank_domains, read_snapshot,
+                                            registrable_domain, robots_file, write_snapshot)
+from openpretrain.core import ConfigError, load_preset
+
+
+def snapshot(files: dict) -> pd.DataFrame:
+    "A snapshot frame from {host: body} or {host: (status, body)}."
+    rows = [(h, *(v if isinstance(v, tuple) else (200, v))) for h, v in files.items()]
+    return pd.DataFrame([{"host": h, "http_status": s, "body": b.encode() if isinstance(b, str) else b,
+                          "fetched_at": "2025-01-15T00:00:00+00:00"} for h, s, b in rows])
+
+
+# --- matching semantics (RFC 9309 §2.2, examples of §5) -----------------------------------------------------
+
+def test_longest_match_wins():
+    assert is_allowed("User-agent: *\nAllow: /p\nDisallow: /\n", "https://e.com/page", "GPTBot")
+    assert not is_allowed("User-agent: *\nAllow: /p\nDisallow: /pa\n", "https://e.com/page", "GPTBot")
+
+
+def test_allow_wins_a_tie():
+    assert is_allowed("User-agent: *\nDisallow: /folder\nAllow: /folder\n", "https://e.com/folder/page", "GPTBot")
+
+
+def test_wildcard_and_end_anchor():
+    txt = "User-agent: *\nAllow: /$\nDisallow: /\nDisallow: /*.pdf$\n"
+    assert is_allowed(txt, "https://e.com/", "CCBot")
+    assert not is_allowed(txt, "https://e.com/page.htm", "CCBot")
+    pdf = "User-agent: *\nDisallow: /*.pdf$\n"
+    assert not is_allowed(pdf, "https://e.com/a/b.pdf", "CCBot")
+    assert is_allowed(pdf, "https://e.com/a/b.pdf?x", "CCBot")
+    assert not is_allowed("User-agent: *\nDisallow: /*/private\n", "https://e.com/a/b/private/x", "CCBot")
+
+
+def test_named_group_replaces_the_generic_one():
+    txt = "User-agent: *\nDisallow: /\n\nUser-agent: GPTBot\nAllow: /\n"
+    assert is_allowed(txt, "https://e.com/x", "GPTBot") and not is_allowed(txt, "https://e.com/x", "ClaudeBot")
+
+
+def test_duplicate_groups_merge():
+    txt = "User-agent: GPTBot\nDisallow: /a\n\nUser-agent: CCBot\nDisallow: /c\n\nUser-agent: gptbot\nDisallow: /b\n"
+    assert not is_allowed(txt, "https://e.com/a", "GPTBot") and not is_allowed(txt, "https://e.com/b", "GPTBot")
+    assert is_allowed(txt, "https://e.com/c", "GPTBot")
+
+
+def test_grouped_user_agent_lines_share_rules():
+    txt = "User-agent: GPTBot\nUser-agent: ClaudeBot\nDisallow: /\n"
+    assert not is_allowed(txt, "https://e.com/", "GPTBot") and not is_allowed(txt, "https://e.com/", "ClaudeBot")
+    assert is_allowed(txt, "https://e.com/", "CCBot")
+
+
+def test_robots_txt_itself_is_always_fetchable():
+    assert is_allowed("User-agent: *\nDisallow: /\n", "https://e.com/robots.txt", "GPTBot")
+
+
+# --- the Protego 0.6 → 0.7 user-agent change --------------------------------------------------------------------
+
+@pytest.mark.parametrize("group,agent,before,now", [
+    ("bot", "GPTBot", True, False),                   # 0.7: the token must start at a word boundary
+    ("extended", "Google-Extended", True, False),     # '-' does not open a new word
+    ("ccbot/2.0", "CCBot", False, False),             # a versioned group never covers the bare query
+    ("ccbot", "CCBot/2.0", True, True),               # but the bare group covers the versioned query
+    ("gpt", "GPTBot", True, True),                    # only the left boundary is checked
+    ("gptbot", "Mozilla/5.0 (compatible; GPTBot/1.2)", True, True),
+])
+def test_user_agent_matching_protego_07_vs_06(group, agent, before, now):
+    assert group_applies(group, agent) is now
+    assert group_applied_before_07(group, agent) is before
+
+
+def test_a_bot_group_no_longer_removes_gptbot_documents():
+    snap = snapshot({"e.com": "User-agent: bot\nDisallow: /\n"})
+    d = RobotsOracle(snap, RobotsConfig(wildcard=False)).decide("https://e.com/x")
+    assert d.kept and d.reason == "allowed"
+
+
+def test_versioned_ccbot_group_is_caught_by_the_versioned_query():
+    snap = snapshot({"e.com": "User-agent: CCBot/2.0\nDisallow: /\n"})
+    d = RobotsOracle(snap, RobotsConfig(wildcard=False)).decide("https://e.com/x")
+    assert not d.kept and d.agents == ("CCBot/2.0",)
+    d_report_only = RobotsOracle(snap, RobotsConfig(agents=list(REPORT_AGENTS), wildcard=False)).decide("https://e.com/x")
+    assert d_report_only.kept
+
+
+def test_agent_lists():
+    assert len(REPORT_AGENTS) == 11 and len(AI_USER_AGENTS) == 14
+    assert {"CCBot/2.0", "CCBot/1.0", "FacebookBot"} <= set(AI_USER_AGENTS) and "*" not in AI_USER_AGENTS
+    assert RobotsConfig().checked_agents[-1] == "*" and "*" not in RobotsConfig(wildcard=False).checked_agents
+
+
+# --- missing files and bodies ---------------------------------------------------------------------------------
+
+POLICY_TABLE = [  # (fetch, apertus keeps, rfc9309 keeps)
+    ((404, b""), True, True), ((401, b""), True, True), ((301, b""), True, True),
+    ((500, b""), True, False), ((503, b""), True, False), ((None, b""), True, False), ((0, b""), True, False),
+    ((200, b"<!doctype html><html><body>Disallow: /</body></html>"), True, True),
+    ((200, bytes(range(256)) * 8), True, True),
+]
+
+
+@pytest.mark.parametrize("fetch,apertus,rfc", POLICY_TABLE)
+def test_missing_file_policy_table(fetch, apertus, rfc):
+    snap = snapshot({"e.com": fetch})
+    for policy, expected in (("apertus", apertus), ("rfc9309", rfc)):
+        for mode in ("url", "domain"):
+            d = RobotsOracle(snap, RobotsConfig(policy=policy, mode=mode)).decide("https://e.com/a")
+            assert d.kept is expected, (fetch[0], policy, mode, d)
+            assert d.reason in ("unavailable", "unreachable") and d.rule.startswith("policy:")
+
+
+def test_policy_presets():
+    assert (POLICIES["apertus"].unavailable, POLICIES["apertus"].unreachable) == ("allow", "allow")
+    assert (POLICIES["rfc9309"].unavailable, POLICIES["rfc9309"].unreachable) == ("allow", "disallow")
+    with pytest.raises(ConfigError):
+        RobotsConfig(policy="lenient")
+
+
+def test_only_first_500_kib_parsed_and_partial_line_dropped():
+    head = "User-agent: GPTBot\nDisallow: /a\n"
+    pad = "# " + "x" * (MAX_ROBOTS_BYTES - len(head) - 14) + "\n"  # ends 11 bytes before the limit
+    tail = "Disallow: /private\nDisallow: /b\n"  # 'Disallow: /' would sit inside the limit
+    body = head + pad + tail
+    assert len(body.encode()) > MAX_ROBOTS_BYTES
+    f = robots_file(200, body.encode())
+    assert f.status == "ok" and len(f.text.encode()) <= MAX_ROBOTS_BYTES and "private" not in f.text
+    assert is_allowed(f.text, "https://e.com/c", "GPTBot") and not is_allowed(f.text, "https://e.com/a", "GPTBot")
+
+
+def test_latin1_and_bom_bodies_parse():
+    f = robots_file(200, "\ufeffUser-agent: *\n# caf\xe9\nDisallow: /x\n".encode("utf-8"))
+    assert not is_allowed(f.text, "https://e.com/x", "GPTBot")
+    g = robots_file(200, "# caf\xe9\nUser-agent: *\nDisallow: /x\n".encode("latin-1"))
+    assert g.status == "ok" and not is_allowed(g.text, "https://e.com/x", "GPTBot")
+
+
+# --- url vs domain mode ------------------------------------------------------------------------------------------
+
+SNAP = snapshot({
+    "part.com": "User-agent: GPTBot\nDisallow: /private\n",
+    "root.com": "User-agent: GPTBot\nDisallow: /\nAllow: /public\n",
+    "open.com": "User-agent: *\nAllow: /\n",
+    "a.sub.co.uk": "User-agent: ClaudeBot\nDisallow: /\n",
+})
+
+
+@pytest.mark.parametrize("url,url_mode,domain_mode", [
+    ("https://part.com/private/1", False, True),   # URL denied; root still fetchable
+    ("https://part.com/blog/1", True, True),
+    ("https://root.com/public/1", True, False),    # URL allowed; root denied → whole host out
+    ("https://root.com/x", False, False),
+    ("https://open.com/x", True, True),
+    ("https://unknown.org/x", True, True),          # not in the snapshot: kept (no-robots)
+])
+def test_url_mode_vs_domain_mode(url, url_mode, domain_mode):
+    assert RobotsOracle(SNAP, RobotsConfig(mode="url")).decide(url).kept is url_mode
+    assert RobotsOracle(SNAP, RobotsConfig(mode="domain")).decide(url).kept is domain_mode
+
+
+def test_domain_mode_records_agents_and_rule():
+    d = RobotsOracle(SNAP, RobotsConfig(mode="domain")).decide("https://root.com/public/1")
+    assert d.reason == "blocked-domain" and d.agents == ("GPTBot",) and d.rule == "root:root.com"
+
+
+def test_registrable_scope_spreads_a_subdomain_block():
+    host = RobotsOracle(SNAP, RobotsConfig(mode="domain"))
+    reg = RobotsOracle(SNAP, RobotsConfig(mode="domain", domain_scope="registrable"))
+    assert host.decide("https://www.sub.co.uk/x").kept and not reg.decide("https://www.sub.co.uk/x").kept
+    assert registrable_domain("a.b.bbc.co.uk") == "bbc.co.uk" and registrable_domain("me.github.io") == "me.github.io"
+
+
+def test_url_mode_removal_lists_every_blocking_agent():
+    snap = snapshot({"e.com": "User-agent: GPTBot\nUser-agent: CCBot\nDisallow: /\n\nUser-agent: *\nDisallow: /tmp\n"})
+    assert RobotsOracle(snap).decide("https://e.com/x").agents == ("GPTBot", "CCBot", "CCBot/2.0", "CCBot/1.0")
+    # agents without a group of their own fall back to `*`, so /tmp is denied to all fifteen
+    assert RobotsOracle(snap).decide("https://e.com/tmp/1").agents == RobotsConfig().checked_agents
+
+
+# --- hosts: IDNA, IPv6, ports, missing or broken ------------------------------------------------------------------
+
+def test_host_keys_normalise_like_netlocs():
+    assert host_key("https://Bücher.de/a") == host_key("https://xn--bcher-kva.de/b") == "xn--bcher-kva.de"
+    assert host_key("http://u:p@E.com:8080/") == "e.com:8080" and host_key("http://e.com/") != "e.com:8080"
+    assert host_key("http://[::1]:81/x") == "[::1]:81" and host_key("file:///etc/passwd") is None
+
+
+def test_idna_ipv6_and_port_hosts_are_matched():
+    snap = snapshot({"bücher.de": "User-agent: *\nDisallow: /\n", "[::1]:8080": "User-agent: *\nDisallow: /\n",
+                     "e.com:8443": "User-agent: *\nDisallow: /\n"})
+    o = RobotsOracle(snap)
+    assert not o.decide("https://xn--bcher-kva.de/x").kept and not o.decide("http://[::1]:8080/x").kept
+    assert not o.decide("https://e.com:8443/x").kept and o.decide("https://e.com/x").reason == "no-robots"
+
+
+@pytest.mark.parametrize("url,reason", [
+    ("", "no-host"), ("not a url", "no-host"), ("mailto:a@b.c", "no-host"), ("http://[::1/x", "bad-url"),
+    ("http://e.com:99999/", "bad-url"), ("http://e.com:port/", "bad-url"), ("http://xn--/x", "no-robots"),
+    ("http://" + "a" * 70 + ".com/", "no-robots"), ("https://e.com/%ZZ/\x00", "no-robots"),
+])
+def test_malformed_urls_are_kept_with_a_reason(url, reason):
+    for mode in ("url", "domain"):
+        d = RobotsOracle(SNAP, RobotsConfig(mode=mode)).decide(url)
+        assert d.kept and d.reason == reason
+
+
+def test_malformed_snapshot_hosts_do_not_crash():
+    snap = snapshot({"[::1": "User-agent: *\nDisallow: /\n", "e.com:x": "x", "": "y", "ok.com": "User-agent: *\nDisallow: /\n"})
+    o = RobotsOracle(snap)
+    assert not o.decide("https://ok.com/").kept and RobotsOracle(snap, RobotsConfig(mode="domain")).decide("https://ok.com/a").reason == "blocked-domain"
+
+
+# --- the datatrove step and conservation --------------------------------------------------------------------------
+
+URLS = st.sampled_from(["https://part.com/private/1", "https://part.com/x", "https://root.com/public", "https://open.com/",
+                        "https://unknown.org/", "", "http://[::1/x", "https://a.sub.co.uk/z", "https://www.sub.co.uk/"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(urls=st.lists(URLS, max_size=30), mode=st.sampled_from(["url", "domain"]),
+       scope=st.sampled_from(["host", "registrable"]), policy=st.sampled_from(list(POLICIES)))
+def test_every_document_is_kept_or_removed_exactly_once(urls, mode, scope, policy):
+    docs = [Document(f"text {i}", f"d{i}", metadata={"url": u}) for i, u in enumerate(urls)]
+    step = RobotsFilter(SNAP, RobotsConfig(mode=mode, domain_scope=scope, policy=policy))
+    kept = list(step.run(iter(docs)))
+    assert [d.id for d in kept] == [d.id for d in docs if d.metadata["robots_decision"] == "kept"]
+    removed = [d for d in docs if d.metadata["robots_decision"] == "removed"]
+    assert len(kept) + len(removed) == len(docs)
+    assert all(d.metadata["robots_snapshot"] == "2025-01-15" for d in docs)
+    assert all(d.metadata["robots_agents"] or d.metadata["robots_reason"] in ("unavailable", "unreachable") for d in removed)
+
+
+def test_pipeline_with_exclusion_writer_conserves_documents(tmp_path):
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    urls = ["https://part.com/private/1", "https://part.com/x", "https://root.com/x", "https://open.com/", "", "http://[::1/"]
+    src = tmp_path / "in"
+    with JsonlWriter(str(src)) as w:
+        for i, u in enumerate(urls):
+            w.write(Document(f"t{i}", f"d{i}", metadata={"url": u, "source": "fw", "language": "en", "token_count": i + 1}))
+    LocalPipelineExecutor([JsonlReader(str(src)),
+                           RobotsFilter(SNAP, exclusion_writer=JsonlWriter(str(tmp_path / "removed"))),
+                           JsonlWriter(str(tmp_path / "kept"))],
+                          tasks=1, logging_dir=str(tmp_path / "logs")).run()
+    ledger = Ledger.from_folders(tmp_path / "kept", tmp_path / "removed")
+    ledger.check_conservation([f"d{i}" for i in range(len(urls))])
+    out = ledger.manifest("robots").set_index("id")
+    assert out.loc["d0", "robots_decision"] == "removed" and list(out.loc["d0", "robots_agents"]) == ["GPTBot"]
+    assert out.loc["d2", "robots_reason"] == "disallowed-url" and out.loc["d5", "robots_reason"] == "bad-url"
+    vol = ledger.volume("robots").set_index("source").loc["all"]
+    assert (vol.docs_before, vol.docs_after, vol.tokens_before, vol.tokens_after) == (6, 4, 21, 17)
+
+
+# --- the ledger ----------------------------------------------------------------------------------------------------
+
+def _ledger_docs():
+    docs = [Document("a" * 10, f"d{i}", metadata={"url": f"https://h{i}.ch/", "source": "fw2" if i > 2 else "fw",
+                                                  "language": "de" if i > 2 else "en", "token_count": 10 * (i + 1)})
+            for i in range(5)]
+    record(docs[0], "robots", "removed", "disallowed-url", agents=["GPTBot", "CCBot"])
+    record(docs[3], "robots", "removed", "disallowed-url", agents=["GPTBot"])
+    for d in (docs[1], docs[2], docs[4]):
+        record(d, "robots", "kept", "allowed", agents=[])
+    record(docs[1], "toxicity", "removed", "toxic", score=0.99)
+    for d in (docs[2], docs[4]):
+        record(d, "toxicity", "kept", "", score=0.1)
+        record(d, "pii", "modified", "pii", email=2, ip=1)
+    return docs
+
+
+def test_ledger_volume_table_against_hand_counts():
+    led = Ledger.from_documents(_ledger_docs())
+    rob = led.volume("robots").set_index(["source", "language"])
+    assert rob.loc[("fw", "en"), ["tokens_before", "tokens_after"]].tolist() == [60, 50]
+    assert rob.loc[("fw2", "de"), ["tokens_before", "tokens_after"]].tolist() == [90, 50]
+    tox = led.volume("toxicity").set_index(["source", "language"])
+    assert tox.loc[("fw", "en"), ["docs_before", "docs_after"]].tolist() == [2, 1]
+    whole = led.volume().set_index("source").loc["all"]
+    assert (whole.docs_before, whole.docs_after, whole.tokens_after) == (5, 2, 80)
+
+
+def test_ledger_breakdown_totals_and_manifest():
+    led = Ledger.from_documents(_ledger_docs())
+    by_agent = led.breakdown("robots", "agents").set_index(["source", "robots_agents"])
+    assert by_agent.loc[("fw", "GPTBot"), "tokens_removed"] == 10 and by_agent.loc[("fw2", "GPTBot"), "docs_removed"] == 1
+    assert by_agent.loc[("fw", "CCBot"), "tokens_removed_pct"] == pytest.approx(100 * 10 / 60)
+    pii = led.totals("pii", ["email", "ip"], by=("source",)).set_index("source")
+    assert pii.loc["fw2", "pii_email"] == 2 and pii.loc["fw", "pii_ip"] == 1
+    assert led.manifest("toxicity")["id"].tolist() == ["d1", "d2", "d4"] and led.steps == ["robots", "toxicity", "pii"]
+
+
+def test_ledger_rejects_duplicates_and_missing_documents():
+    docs = _ledger_docs()
+    with pytest.raises(ValueError, match="more than once"):
+        Ledger.from_documents(docs + docs[:1])
+    with pytest.raises(ValueError, match="conservation"):
+        Ledger.from_documents(docs[1:]).check_conservation([d.id for d in docs])
+    with pytest.raises(ValueError, match="token_count"):
+        Ledger.from_documents([Document("x", "y")])
+    with pytest.raises(ValueError, match="decision"):
+        record(Document("x", "y"), "robots", "dropped")
+
+
+# --- ranking hosts ----------------------------------------------------------------------------------------------------
+
+def test_rank_domains_by_volume_per_language_split():
+    df = pd.DataFrame({"url": ["https://a.ch/1", "https://a.ch/2", "https://b.ch/", "https://c.de/", "https://d.fr/", "x"],
+                       "text": ["x" * 10, "x" * 10, "x" * 15, "x" * 5, "x" * 50, "x" * 99],
+                       "language": ["en", "en", "en", "deu", "fra", "en"], "token_count": [1, 1, 9, 7, 1, 1]})
+    r = rank_domains(df, top_n=1)
+    assert r.set_index("split")["host"].to_dict() == {"english": "a.ch", "non-english": "d.fr"}
+    t = rank_domains(df, top_n=2, by="tokens")
+    assert t[t.split == "english"]["host"].tolist() == ["b.ch", "a.ch"] and t[t.split == "non-english"]["host"].tolist() == ["c.de", "d.fr"]
+    with pytest.raises(ValueError):
+        rank_domains(df.drop(columns="token_count"), 1, by="tokens")
+
+
+def test_preset_sections_load():
+    for name in ("tiny", "apertus-8b"):
+        cfg = load_preset(name).section("robots", RobotsConfig)
+        assert cfg.policy == "apertus" and cfg.wildcard
+
+
+# --- the fetcher, against servers on 127.0.0.1 that this test starts and stops ------------------------------------------
+
+class _Behaviour(BaseHTTPRequestHandler):
+    kind = "ok"
+    log: list = []
+    in_flight = [0, 0]  # current, max (across all servers)
+    lock = threading.Lock()
+
+    def do_GET(self):  # noqa: N802
+        with self.lock:
+            self.log.append((self.server.server_port, self.path, time.monotonic()))
+            self.in_flight[0] += 1
+            self.in_flight[1] = max(self.in_flight[1], self.in_flight[0])
+        try:
+            getattr(self, "kind_" + self.server.kind.replace("-", "_"))()
+        finally:
+            with self.lock:
+                self.in_flight[0] -= 1
+
+    def send(self, code, body=b"", headers=()):
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def kind_ok(self):
+        time.sleep(0.05)
+        self.send(200, b"User-agent: GPTBot\nDisallow: /\n")
+
+    def kind_missing(self):
+        self.send(404, b"not found")
+
+    def kind_error(self):
+        self.send(500)
+
+    def kind_flaky(self):
+        n = sum(1 for p, *_ in self.log if p == self.server.server_port)
+        self.send(503) if n == 1 else self.send(200, b"User-agent: *\nDisallow: /x\n")
+
+    def kind_slow(self):
+        time.sleep(2)
+        self.send(200, b"User-agent: *\nDisallow: /\n")
+
+    def kind_loop(self):
+        self.send(302, headers=[("Location", "/robots.txt")])
+
+    def _chain(self, n):
+        step = int(self.path.split("/r")[-1]) if self.path.startswith("/r") and self.path[2:].isdigit() else 0
+        if step < n:
+            self.send(301, headers=[("Location", f"/r{step + 1}")])
+        else:
+            self.send(200, b"User-agent: *\nDisallow: /chained\n")
+
+    def kind_chain5(self):
+        self._chain(5)
+
+    def kind_chain6(self):
+        self._chain(6)
+
+    def kind_ftp(self):
+        self.send(302, headers=[("Location", "ftp://127.0.0.1/robots.txt")])
+
+    def kind_huge(self):
+        self.send(200, (b"User-agent: *\n" + b"Disallow: /zzz\n" * 150_000))  # 2.2 MB
+
+    def kind_binary(self):
+        self.send(200, bytes(range(256)) * 64)
+
+    def log_message(self, *args):
+        pass
+
+
+KINDS = ["ok", "missing", "error", "flaky", "slow", "loop", "chain5", "chain6", "ftp", "huge", "binary"]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {}
+    for kind in KINDS:
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _Behaviour)
+        srv.daemon_threads, srv.kind = True, kind
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        started[kind] = srv
+    yield {k: f"127.0.0.1:{s.server_port}" for k, s in started.items()}
+    for s in started.values():
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.fixture(scope="module")
+def fetched(servers):
+    _Behaviour.log.clear()
+    t0 = time.monotonic()
+    snap = fetch_robots(servers.values(), scheme="http", concurrency=3, timeout=0.5, retries=1, backoff=0.05,
+                        delay=0.2)
+    return snap.set_index("host"), time.monotonic() - t0
+
+
+def test_fetcher_outcomes(servers, fetched):
+    snap, _ = fetched
+    row = {k: snap.loc[h] for k, h in servers.items()}
+    assert row["ok"].http_status == 200 and row["ok"].body == b"User-agent: GPTBot\nDisallow: /\n"
+    assert row["missing"].http_status == 404 and row["error"].http_status == 500
+    assert row["flaky"].http_status == 200  # retried after the 503
+    assert row["slow"].http_status == 0 and "Timeout" in row["slow"].error
+    assert row["loop"].http_status == 302 and "more than 5" in row["loop"].error and row["loop"].redirects == 5
+    assert row["chain5"].http_status == 200 and row["chain5"].redirects == 5 and row["chain5"].url.endswith("/r5")
+    assert row["chain6"].http_status == 301 and row["chain6"].redirects == 5
+    assert row["ftp"].http_status == 302 and "unusable" in row["ftp"].error
+    assert row["huge"].truncated and len(row["huge"].body) == MAX_ROBOTS_BYTES
+    assert robots_file(row["binary"].http_status, row["binary"].body).why == "binary"
+
+
+def test_fetched_snapshot_drives_the_filter(servers, fetched, tmp_path):
+    snap = read_snapshot(write_snapshot(fetched[0].reset_index(), tmp_path / "robots.parquet"))
+    decide = {k: RobotsOracle(snap, RobotsConfig(policy="rfc9309")).decide(f"http://{h}/chained/1") for k, h in servers.items()}
+    assert not decide["ok"].kept and decide["ok"].agents == ("GPTBot",)
+    assert decide["missing"].kept and not decide["error"].kept and not decide["slow"].kept
+    assert not decide["chain5"].kept and decide["chain6"].kept and decide["loop"].reason == "unavailable"
+    assert RobotsOracle(snap).decide(f"http://{servers['huge']}/zzz").kept is False
+
+
+def test_fetcher_is_bounded_and_polite(servers, fetched):
+    _, seconds = fetched
+    log = _Behaviour.log
+    assert _Behaviour.in_flight[1] <= 3  # concurrency bound
+    per_port = {}
+    for port, _path, t in log:
+        per_port.setdefault(port, []).append(t)
+    for times in per_port.values():
+        assert len(times) <= 7  # ≤ 1 + 5 redirects (+ 1 retry for the transient ones)
+        assert all(b - a >= 0.19 for a, b in zip(times, times[1:]))  # ≥ delay between requests to one host
+    assert seconds < 20
+
+
+def test_fetcher_rejects_non_http_schemes():
+    with pytest.raises(ValueError):
+        fetch_robots(["127.0.0.1:1"], scheme="ftp")
