@@ -28,7 +28,7 @@ def record(doc: Document, step: str, decision: str, reason: str = "", **detail) 
 # %% auto #0
 __all__ = ['DECISIONS', 'BASE_COLUMNS', 'record', 'Ledger']
 
-# %% ../../../nbs/02a_ledger.ipynb #12a08d39
+# %% ../../../nbs/02a_ledger.ipynb #c678ad77
 class Ledger:
     "One row per document: identity, volume, the step that removed it (if any) and every `<step>_*` field."
 
@@ -53,8 +53,10 @@ class Ledger:
     def from_folders(cls, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> "Ledger":
         "Build from datatrove writer outputs: the kept folder and every exclusion folder (`fmt`: jsonl | parquet)."
         from datatrove.pipeline.readers import JsonlReader, ParquetReader
-        reader = {"jsonl": JsonlReader, "parquet": ParquetReader}[fmt]
-        docs = [d for f in folders if Path(f).is_dir() for d in reader(str(f), add_file_path=False)()]
+        if fmt not in ("jsonl", "parquet"):
+            raise ValueError(f"fmt must be jsonl or parquet, got {fmt!r}")
+        reader = (lambda f: JsonlReader(f, add_file_path=False)) if fmt == "jsonl" else ParquetReader
+        docs = [d for f in folders if Path(f).is_dir() for d in reader(str(f))()]
         return cls.from_documents(docs, **kwargs)
 
     @property
