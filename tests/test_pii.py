@@ -1,0 +1,260 @@
+"""PII anonymisation: IBAN checksums, token boundaries, IPv6, the apertus compatibility mode, the datatrove step."""
+import ipaddress
+import random
+import re
+import string
+from pathlib import Path
+
+import pytest
+from datatrove.data import Document
+from datatrove.pipeline.formatters.pii import PIIFormatter
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from openpretrain.compliance.pii import (APERTUS_PATTERNS, IBAN_LENGTHS, MARKERS, PIIAnonymizer, PIIConfig,
+                                         anonymize, build_testset, change_one_digit, find_pii, group_iban,
+                                         is_valid_iban, load_testset, precision_recall, synth_iban)
+from openpretrain.core import ConfigError, list_presets, load_preset
+
+stdnum_iban = pytest.importorskip("stdnum.iban")
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _registry() -> dict[str, str]:
+    "python-stdnum's copy of the SWIFT IBAN registry: country → BBAN format like '8!n10!n'."
+    text = (Path(stdnum_iban.__file__).parent / "iban.dat").read_text()
+    return dict(re.findall(r'^([A-Z]{2}) country="[^"]*" bban="([^"]+)"', text, re.M))
+
+
+REGISTRY = _registry()
+ALPHABETS = {"n": string.digits, "a": string.ascii_uppercase, "c": string.digits + string.ascii_uppercase}
+
+
+def registry_iban(country: str, rng: random.Random) -> str:
+    "An IBAN built from stdnum's registry format, check digits by ISO 7064 written out independently."
+    bban = "".join(rng.choice(ALPHABETS[k]) for n, k in re.findall(r"(\d+)!([nac])", REGISTRY[country])
+                   for _ in range(int(n)))
+    digits = "".join(str(int(c, 36)) for c in bban + country + "00")
+    return f"{country}{98 - int(digits) % 97:02d}{bban}"
+
+
+def found(text, **kw):
+    return [(text[s.start:s.end], s.kind) for s in find_pii(text, **kw)]
+
+
+# --- IBAN ---------------------------------------------------------------------------------------------------
+
+def test_iban_lengths_match_the_swift_registry():
+    lengths = {c: 4 + sum(int(n) for n in re.findall(r"(\d+)!", fmt)) for c, fmt in REGISTRY.items()}
+    assert IBAN_LENGTHS == lengths
+
+
+@FAST
+@given(country=st.sampled_from(sorted(REGISTRY)), seed=st.integers(0, 2**32 - 1))
+def test_iban_checksum_rejects_one_digit_change(country, seed):
+    rng = random.Random(seed)
+    iban = registry_iban(country, rng)
+    assert stdnum_iban.is_valid(iban, check_country=False) and is_valid_iban(iban)
+    broken = change_one_digit(iban, rng)
+    assert sum(a != b for a, b in zip(iban, broken)) == 1
+    assert not is_valid_iban(broken) and not stdnum_iban.is_valid(broken, check_country=False)
+
+
+@FAST
+@given(country=st.sampled_from(sorted(REGISTRY)), seed=st.integers(0, 2**32 - 1), grouped=st.booleans(),
+       left=st.sampled_from(["IBAN: ", "(", "Konto ", ""]), right=st.sampled_from([".", ")", " bis Freitag", ""]))
+def test_finds_every_registry_country_in_compact_and_grouped_form(country, seed, grouped, left, right):
+    iban = registry_iban(country, random.Random(seed))
+    value = group_iban(iban) if grouped else iban
+    assert found(left + value + right) == [(value, "iban")]
+
+
+def test_generator_makes_ibans_stdnum_accepts_and_the_testset_labels_them():
+    rng = random.Random(1)
+    from openpretrain.compliance.pii import BBAN_FORMATS
+    for country, fmt in BBAN_FORMATS.items():
+        assert REGISTRY[country] == fmt
+        assert stdnum_iban.is_valid(synth_iban(country, rng), check_country=False)
+    items = build_testset()
+    positives = [it["text"][a:b] for it in items for a, b, k, _ in it["spans"] if k == "iban"]
+    assert len({p[:2] for p in positives}) >= 10 and all(stdnum_iban.is_valid(p, check_country=False) for p in positives)
+
+
+def test_grouped_iban_stops_at_its_country_length_and_rejects_longer_tokens():
+    iban = "BE68539007547034"
+    assert found(f"{group_iban(iban)} CASH") == [(group_iban(iban), "iban")]
+    assert found(f"{group_iban(iban)}1") == [] and found(f"X{iban}") == [] and found(iban + "0") == []
+    assert found(group_iban(iban)[:-1]) == []
+
+
+# --- boundaries, ports, punctuation ------------------------------------------------------------------------
+
+def test_neighbours_are_never_corrupted():
+    text = "hosts 10.0.0.1 and 110.0.0.12"
+    assert anonymize(text, public_ips_only=False)[0] == "hosts <ip-pii> and <ip-pii>"
+    assert anonymize("firmware 10.0.0.1234, bad 256.1.1.1", public_ips_only=False)[0] == \
+        "firmware 10.0.0.1234, bad 256.1.1.1"
+
+
+@FAST
+@given(ip=st.ip_addresses(v=4).map(str), left=st.sampled_from(["", "1", "25", "9", ".", "v", "x_", "a."]),
+       right=st.sampled_from(["", "1", "0", "5", ".5", ".1.1", "a", ".tar", "_x"]))
+def test_ipv4_matches_only_whole_tokens(ip, left, right):
+    text = left + ip + right
+    for span in find_pii(text, public_ips_only=False):  # either the whole token is an address, or nothing matches
+        assert (span.start, span.end) == (0, len(text)), text
+
+
+@FAST
+@given(ip=st.ip_addresses().map(str),
+       shape=st.sampled_from(["{}", "{}.", "({})", "{},", "at {}:8080", "[{}]:443", "{}/24", "<{}>", "ip={};"]))
+def test_valid_addresses_are_replaced_whole_with_ports_and_punctuation_kept(ip, shape):
+    text = shape.format(ip)
+    assume(not (":" in ip and shape == "at {}:8080"))  # a bare IPv6 followed by :8080 is a longer address
+    assume(any(c.isdigit() for c in ip))  # by design, digit-less hex words like dead::beef are left alone
+    assert anonymize(text, public_ips_only=False)[0] == shape.format("<ip-pii>")
+
+
+def test_email_keeps_the_final_period_and_refuses_lookalikes():
+    assert anonymize("mail me at a@b.ch.")[0] == "mail me at <email-pii>."
+    for text in ("lodash@4.17.21", "logo@2x.png", "root@localhost", "a@b.c", "user@@example.com", "me@example"):
+        assert find_pii(text) == [], text
+
+
+# --- IPv6 and the public-IP policy ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", ["::1", "fe80::1ff:fe23:4567:890a", "2001:db8::", "2001:db8::8a2e:370:7334",
+                                     "2001:0db8:85a3:0000:0000:8a2e:0370:7334", "::ffff:192.0.2.128",
+                                     "2606:4700:4700::1111", "1:2:3:4:5:6:7:8", "64:ff9b::192.0.2.33"])
+def test_ipv6_forms_are_found(address):
+    ipaddress.IPv6Address(address)
+    assert found(f"host {address} is up", public_ips_only=False) == [(address, "ip")]
+
+
+@pytest.mark.parametrize("text", ["at 12:30:45", "12:30:45.250", "mac 00:1a:2b:3c:4d:5e", "std::vector<int>",
+                                  "dead::beef", "ratio 16:9:4", "Gen 1:1:2"])
+def test_times_macs_and_scopes_are_not_ipv6(text):
+    assert find_pii(text, public_ips_only=False) == []
+
+
+def test_non_public_ips_are_kept_by_default_and_replaced_on_request():
+    private = ["192.168.1.1", "10.0.0.1", "172.16.5.4", "127.0.0.1", "169.254.10.20", "203.0.113.7",
+               "198.51.100.23", "192.0.2.1", "::1", "fe80::1", "2001:db8::1", "fd00::1"]
+    public = ["8.8.8.8", "85.195.226.14", "2a00:1450:4001:82b::200e"]
+    assert PIIConfig().public_ips_only is True
+    for ip in private:
+        assert anonymize(f"ip {ip} ok")[0] == f"ip {ip} ok"
+        assert anonymize(f"ip {ip} ok", public_ips_only=False)[0] == "ip <ip-pii> ok"
+    for ip in public:
+        assert anonymize(f"ip {ip} ok")[0] == "ip <ip-pii> ok"
+
+
+# --- apertus mode ------------------------------------------------------------------------------------------
+
+def reference_pii_formatter(text: str) -> tuple[str, int]:
+    "The public Apertus formatter's algorithm, transcribed: findall, then str.replace per new distinct match."
+    dt = PIIFormatter()
+    seen = set()
+    for rx in (dt.emails_replacer.regex, dt.ip_replacer.regex,
+               re.compile(r"[A-Z]{2}[0-9]{2}(?: [0-9]{4}){4} [A-Z0-9]{1,2}")):
+        for hit in rx.findall(text):
+            if hit not in seen:
+                seen.add(hit)
+                text = text.replace(hit, MARKERS["email" if rx is dt.emails_replacer.regex else
+                                                  "ip" if rx is dt.ip_replacer.regex else "iban"])
+    return text, len(seen)
+
+
+def test_apertus_patterns_are_datatroves():
+    dt = PIIFormatter()
+    assert APERTUS_PATTERNS["email"] == dt.emails_replacer.regex.pattern
+    assert APERTUS_PATTERNS["ip"] == dt.ip_replacer.regex.pattern
+
+
+def test_apertus_mode_reproduces_the_reference_defects():
+    cases = {"hosts 10.0.0.1 and 110.0.0.12": "hosts <ip-pii> and 1<ip-pii>2",
+             "firmware 10.0.0.1234": "firmware <ip-pii>4", "bad 256.1.1.1": "bad 2<ip-pii>",
+             "host ::1 and 2001:db8::7": "host ::1 and 2001:db8::7",
+             "CH9300762011623852957": "CH9300762011623852957",
+             "GB82 WEST 1234 5698 7654 32": "GB82 WEST 1234 5698 7654 32",
+             "FR14 2004 1010 0505 0001 3M02 606": "<iban-pii>02 606",
+             "DE89 3704 0044 0532 0130 01": "<iban-pii>", "private 192.168.1.1": "private <ip-pii>"}
+    for text, expected in cases.items():
+        assert anonymize(text, mode="apertus")[0] == expected, text
+
+
+FRAGMENTS = ["10.0.0.1", "110.0.0.12", "1.2.3.4", "a@b.ch", "xa@b.ch", "x.y@10.0.0.1.ch", "DE89 3704 0044 0532 0130 00",
+             "GB82 WEST 1234 5698 7654 32", "256.1.1.1", " ", ", ", "foo", "@", ".", "0", "9", "::1"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
+def test_apertus_mode_equals_the_transcribed_reference(text):
+    out, counts = anonymize(text, mode="apertus")
+    assert (out, sum(counts.values())) == reference_pii_formatter(text)
+
+
+def test_apertus_mode_equals_the_reference_on_the_testset():
+    for item in load_testset():
+        out, counts = anonymize(item["text"], mode="apertus")
+        assert (out, sum(counts.values())) == reference_pii_formatter(item["text"]), item["id"]
+
+
+# --- robustness, the datatrove step, configs, the test set ------------------------------------------------
+
+@FAST
+@given(st.text(alphabet=st.characters(blacklist_characters="<>"), max_size=200))
+def test_anonymize_never_crashes_and_counts_markers(text):
+    for mode in ("ours", "apertus"):
+        out, counts = anonymize(text, mode=mode, public_ips_only=False)
+        if mode == "ours":
+            for kind, marker in MARKERS.items():
+                assert out.count(marker) == counts[kind]
+
+
+@FAST
+@given(st.lists(st.one_of(st.text(max_size=80), st.binary(max_size=80), st.none(),
+                          st.sampled_from(["mail a@b.ch", "ip 8.8.8.8:80", "CH9300762011623852957"])), max_size=20))
+def test_datatrove_step_keeps_every_document(texts):
+    docs = [Document(text=t, id=str(i)) for i, t in enumerate(texts)]
+    out = list(PIIAnonymizer().run(iter(docs)))
+    assert [d.id for d in out] == [str(i) for i in range(len(texts))]
+    for d in out:
+        assert d.metadata["pii_decision"] in ("kept", "modified")
+        assert d.metadata["pii_count"] == sum(d.metadata[f"pii_{k}"] for k in MARKERS)
+
+
+def test_datatrove_step_runs_in_a_local_pipeline(tmp_path):
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"id": "1", "text": "write to a@b.ch"}\n{"id": "2", "text": "no pii"}\n')
+    LocalPipelineExecutor([JsonlReader(str(src)), PIIAnonymizer(), JsonlWriter(str(tmp_path / "out"))],
+                          tasks=1, logging_dir=str(tmp_path / "logs")).run()
+    out = [d for d in JsonlReader(str(tmp_path / "out"))()]
+    assert [d.text for d in out] == ["write to <email-pii>", "no pii"]
+    assert [d.metadata["pii_email"] for d in out] == [1, 0]
+
+
+def test_presets_carry_a_valid_pii_section():
+    for name in list_presets():
+        cfg = load_preset(name).section("pii", PIIConfig)
+        assert cfg.mode in ("ours", "apertus") and set(cfg.kinds) == set(MARKERS)
+    with pytest.raises(ConfigError):
+        PIIConfig(kinds=["phone"])
+    with pytest.raises(ConfigError):
+        PIIConfig(mode="presidio")
+
+
+def test_committed_testset_is_what_the_generator_makes():
+    assert load_testset() == build_testset()
+
+
+def test_precision_recall_scores_a_corrupted_neighbour_as_an_error():
+    item = {"text": "hosts 10.0.0.1 and 110.0.0.12", "spans": [[6, 14, "ip", False], [19, 29, "ip", True]]}
+    rows = {r["kind"]: r for r in precision_recall([item], mode="apertus")}
+    assert (rows["ip"]["tp"], rows["ip"]["fp"], rows["ip"]["fn"]) == (1, 1, 1)
+    rows = {r["kind"]: r for r in precision_recall([item], mode="ours", public_ips_only=True)}
+    assert (rows["ip"]["tp"], rows["ip"]["fp"], rows["ip"]["fn"]) == (1, 0, 0)
