@@ -28,7 +28,7 @@ def record(doc: Document, step: str, decision: str, reason: str = "", **detail) 
 # %% auto #0
 __all__ = ['DECISIONS', 'BASE_COLUMNS', 'record', 'Ledger']
 
-# %% ../../../nbs/02a_ledger.ipynb #c678ad77
+# %% ../../../nbs/02a_ledger.ipynb #f6e66a0c
 class Ledger:
     "One row per document: identity, volume, the step that removed it (if any) and every `<step>_*` field."
 
@@ -44,13 +44,13 @@ class Ledger:
     @classmethod
     def from_documents(cls, docs: Iterable[Document | dict], *, source_key: str = "source",
                        language_key: str = "language", tokens_key: str = "token_count",
-                       count_tokens: Callable[[str], int] | None = None) -> "Ledger":
+                       count_tokens: Callable[[str], int] | None = None) -> Ledger:
         "Build from documents (datatrove `Document`s or `{text, id, metadata}` dicts), kept and removed mixed."
         return cls(pd.DataFrame([_row(d, source_key, language_key, tokens_key, count_tokens) for d in docs],
                                 columns=None if docs else BASE_COLUMNS))
 
     @classmethod
-    def from_folders(cls, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> "Ledger":
+    def from_folders(cls, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> Ledger:
         "Build from datatrove writer outputs: the kept folder and every exclusion folder (`fmt`: jsonl | parquet)."
         from datatrove.pipeline.readers import JsonlReader, ParquetReader
         if fmt not in ("jsonl", "parquet"):

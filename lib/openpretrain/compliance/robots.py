@@ -296,7 +296,7 @@ def _safe_host_key(url) -> str | None:
     except ValueError:
         return None
 
-# %% ../../../nbs/02_robots.ipynb #21c10116
+# %% ../../../nbs/02_robots.ipynb #06ad754d
 TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})  # statuses worth retrying (0 = network error or timeout)
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 FETCH_USER_AGENT = "openpretrain-robots/0.1 (+https://github.com/openpretrain)"
@@ -366,18 +366,19 @@ class _Fetcher:
                 break
             url, redirects = target, redirects + 1
         return {"host": host, "url": url, "http_status": status, "body": body if 200 <= status < 300 else b"",
-                "fetched_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "fetched_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "redirects": redirects, "truncated": truncated, "error": error}
 
     async def attempts(self, client, url: str):
         "One GET with retries on transient failures: (status, location, body, truncated, error)."
+        import httpx
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             async with self.polite.slot(urlsplit(url).netloc):
                 try:
                     result = (*await asyncio.wait_for(self.get(client, url), self.timeout), None)
-                except (asyncio.TimeoutError, OSError, Exception) as e:  # httpx errors, resets, timeouts
+                except (TimeoutError, OSError, httpx.HTTPError, httpx.InvalidURL) as e:  # timeouts, resets, protocol
                     result = (0, None, b"", False, f"{type(e).__name__}: {e}"[:200])
             if result[0] not in TRANSIENT:
                 return result
