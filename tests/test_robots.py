@@ -1,4 +1,6 @@
 """Retroactive robots.txt filtering (chapter 02) and the compliance ledger (chapter 02a)."""
+import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +66,28 @@ def test_grouped_user_agent_lines_share_rules():
 
 def test_robots_txt_itself_is_always_fetchable():
     assert is_allowed("User-agent: *\nDisallow: /\n", "https://e.com/robots.txt", "GPTBot")
+
+
+PATTERN = st.tuples(st.text(alphabet="ab/*", max_size=4), st.booleans()).map(lambda t: "/" + t[0] + "$" * t[1])
+RULES = st.lists(st.tuples(st.sampled_from(["Allow", "Disallow"]), PATTERN), max_size=6)
+
+
+def reference_allowed(rules: list[tuple[str, str]], path: str) -> bool:
+    "RFC 9309 §2.2.2 written out independently: the longest matching pattern decides, Allow wins ties, none → allow."
+    best = None
+    for kind, pattern in rules:
+        body, anchored = (pattern[:-1], True) if pattern.endswith("$") else (pattern, False)
+        regex = "".join(".*" if c == "*" else re.escape(c) for c in body) + ("$" if anchored else "")
+        if re.match(regex, path):
+            best = max(best or (-1, False), (len(pattern), kind == "Allow"))
+    return best is None or best[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(rules=RULES, path=st.text(alphabet="ab/", max_size=6).map(lambda s: "/" + s))
+def test_matching_equals_an_independent_rfc9309_reading(rules, path):
+    txt = "User-agent: *\n" + "".join(f"{kind}: {pattern}\n" for kind, pattern in rules)
+    assert is_allowed(txt, "https://e.com" + path, "GPTBot") == reference_allowed(rules, path)
 
 
 # --- the Protego 0.6 → 0.7 user-agent change --------------------------------------------------------------------
@@ -337,20 +361,19 @@ def test_preset_sections_load():
 
 class _Behaviour(BaseHTTPRequestHandler):
     kind = "ok"
-    log: list = []
-    in_flight = [0, 0]  # current, max (across all servers)
+    log: list = []    # (port, path, start) of every request
+    spans: list = []  # (port, start, end) of every handled request
     lock = threading.Lock()
 
     def do_GET(self):  # noqa: N802
+        start = time.monotonic()
         with self.lock:
-            self.log.append((self.server.server_port, self.path, time.monotonic()))
-            self.in_flight[0] += 1
-            self.in_flight[1] = max(self.in_flight[1], self.in_flight[0])
+            self.log.append((self.server.server_port, self.path, start))
         try:
-            getattr(self, "kind_" + self.server.kind.replace("-", "_"))()
+            getattr(self, "kind_" + self.server.kind)()
         finally:
             with self.lock:
-                self.in_flight[0] -= 1
+                self.spans.append((self.server.server_port, start, time.monotonic()))
 
     def send(self, code, body=b"", headers=()):
         self.send_response(code)
@@ -410,26 +433,36 @@ class _Behaviour(BaseHTTPRequestHandler):
 KINDS = ["ok", "missing", "error", "flaky", "slow", "loop", "chain5", "chain6", "ftp", "huge", "binary"]
 
 
-@pytest.fixture(scope="module")
-def servers():
-    started = {}
-    for kind in KINDS:
-        srv = ThreadingHTTPServer(("127.0.0.1", 0), _Behaviour)
-        srv.daemon_threads, srv.kind = True, kind
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        started[kind] = srv
-    yield {k: f"127.0.0.1:{s.server_port}" for k, s in started.items()}
-    for s in started.values():
+def _start(kind: str) -> ThreadingHTTPServer:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Behaviour)
+    srv.daemon_threads, srv.kind = True, kind
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _stop(servers) -> None:
+    for s in servers:
         s.shutdown()
         s.server_close()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = {kind: _start(kind) for kind in KINDS}
+    yield {k: f"127.0.0.1:{s.server_port}" for k, s in started.items()}
+    _stop(started.values())
 
 
 @pytest.fixture(scope="module")
 def fetched(servers):
     _Behaviour.log.clear()
     t0 = time.monotonic()
-    snap = fetch_robots(servers.values(), scheme="http", concurrency=3, timeout=0.5, retries=1, backoff=0.05,
-                        delay=0.2)
+    with socket.socket() as sock:  # a port nobody listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    hosts = [*servers.values(), closed]
+    snap = fetch_robots(hosts, scheme="http", concurrency=3, timeout=0.5, retries=1, backoff=0.05, delay=0.2)
+    assert list(snap.host) == [*servers.values(), closed.removeprefix("http://")]
     return snap.set_index("host"), time.monotonic() - t0
 
 
@@ -446,6 +479,8 @@ def test_fetcher_outcomes(servers, fetched):
     assert row["ftp"].http_status == 302 and "unusable" in row["ftp"].error
     assert row["huge"].truncated and len(row["huge"].body) == MAX_ROBOTS_BYTES
     assert robots_file(row["binary"].http_status, row["binary"].body).why == "binary"
+    refused = snap.loc[snap.index[-1]]
+    assert refused.http_status == 0 and "Connect" in refused.error
 
 
 def test_fetched_snapshot_drives_the_filter(servers, fetched, tmp_path):
@@ -460,7 +495,6 @@ def test_fetched_snapshot_drives_the_filter(servers, fetched, tmp_path):
 def test_fetcher_is_bounded_and_polite(servers, fetched):
     _, seconds = fetched
     log = _Behaviour.log
-    assert _Behaviour.in_flight[1] <= 3  # concurrency bound
     per_port = {}
     for port, _path, t in log:
         per_port.setdefault(port, []).append(t)
@@ -473,3 +507,17 @@ def test_fetcher_is_bounded_and_polite(servers, fetched):
 def test_fetcher_rejects_non_http_schemes():
     with pytest.raises(ValueError):
         fetch_robots(["127.0.0.1:1"], scheme="ftp")
+    with pytest.raises(ValueError):
+        fetch_robots(["file://127.0.0.1/etc"])
+
+
+def test_fetcher_bounds_concurrency():
+    started = [_start("ok") for _ in range(6)]
+    try:
+        snap = fetch_robots([f"127.0.0.1:{s.server_port}" for s in started], scheme="http", concurrency=2, delay=0)
+        ports = {s.server_port for s in started}
+        spans = [(a, b) for p, a, b in _Behaviour.spans if p in ports]
+        overlap = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+        assert (snap.http_status == 200).all() and overlap <= 2
+    finally:
+        _stop(started)

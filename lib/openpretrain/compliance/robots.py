@@ -296,13 +296,14 @@ def _safe_host_key(url) -> str | None:
     except ValueError:
         return None
 
-# %% ../../../nbs/02_robots.ipynb #06ad754d
+# %% ../../../nbs/02_robots.ipynb #cbd426c5
 TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})  # statuses worth retrying (0 = network error or timeout)
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 FETCH_USER_AGENT = "openpretrain-robots/0.1 (+https://github.com/openpretrain)"
 
 def fetch_robots(hosts: Iterable[str], **kwargs) -> pd.DataFrame:
-    "Fetch `/robots.txt` of every host (netloc) into a snapshot frame; see `fetch_robots_async` for the knobs."
+    """Fetch `/robots.txt` of every host — a netloc (fetched with `scheme`) or an origin such as `http://a.org:8080`
+    — into a snapshot frame keyed by netloc; see `fetch_robots_async` for the knobs."""
     return asyncio.run(fetch_robots_async(hosts, **kwargs))
 
 async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", concurrency: int = 32,
@@ -311,16 +312,18 @@ async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", con
                              user_agent: str = FETCH_USER_AGENT) -> pd.DataFrame:
     "The asynchronous fetcher: bounded concurrency, per-host politeness, timeouts, retries, ≤5 redirects, capped bodies."
     import httpx
-    if scheme not in ("http", "https"):
-        raise ValueError(f"scheme must be http or https, got {scheme!r}")
     hosts = list(dict.fromkeys(hosts))
+    for s in (scheme, *(urlsplit(h).scheme for h in hosts if "://" in h)):
+        if s not in ("http", "https"):
+            raise ValueError(f"only http and https are fetched, got {s!r}")
     gate, polite = asyncio.Semaphore(concurrency), _Politeness(delay)
     fetch = _Fetcher(timeout, retries, backoff, max_redirects, max_bytes, polite)
     async with httpx.AsyncClient(headers={"User-Agent": user_agent}, follow_redirects=False, trust_env=False,
                                  timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def one(host: str) -> dict:
+            origin = urlsplit(host if "://" in host else f"{scheme}://{host}")  # an origin keeps its own scheme
             async with gate:
-                return await fetch.host(client, host, f"{scheme}://{host}/robots.txt")
+                return await fetch.host(client, origin.netloc, f"{origin.scheme}://{origin.netloc}/robots.txt")
         rows = await asyncio.gather(*(one(h) for h in hosts))
     return pd.DataFrame(rows, columns=["host", "url", "http_status", "body", "fetched_at", "redirects",
                                        "truncated", "error"])
