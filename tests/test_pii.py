@@ -107,7 +107,7 @@ def test_ipv4_matches_only_whole_tokens(ip, left, right):
 
 @FAST
 @given(ip=st.ip_addresses().map(str),
-       shape=st.sampled_from(["{}", "{}.", "({})", "{},", "at {}:8080", "[{}]:443", "{}/24", "<{}>", "ip={};"]))
+       shape=st.sampled_from(["{}", "at {}.", "({})", "{},", "at {}:8080", "[{}]:443", "{}/24", "<{}>", "ip={};"]))
 def test_valid_addresses_are_replaced_whole_with_ports_and_punctuation_kept(ip, shape):
     text = shape.format(ip)
     assume(not (":" in ip and shape == "at {}:8080"))  # a bare IPv6 followed by :8080 is a longer address
@@ -119,6 +119,11 @@ def test_email_keeps_the_final_period_and_refuses_lookalikes():
     assert anonymize("mail me at a@b.ch.")[0] == "mail me at <email-pii>."
     for text in ("lodash@4.17.21", "logo@2x.png", "root@localhost", "a@b.c", "user@@example.com", "me@example"):
         assert find_pii(text) == [], text
+
+
+def test_outline_numbers_at_line_start_are_not_addresses():
+    text = "Contents\n6.2.4.1. Basic setup\n  12.6.2.2.\u00a0Removal\n127.0.0.1 localhost\nsee 6.2.4.3."
+    assert found(text, public_ips_only=False) == [("127.0.0.1", "ip"), ("6.2.4.3", "ip")]  # mid-line: ambiguous
 
 
 # --- IPv6 and the public-IP policy ------------------------------------------------------------------------
@@ -139,7 +144,7 @@ def test_times_macs_and_scopes_are_not_ipv6(text):
 
 def test_non_public_ips_are_kept_by_default_and_replaced_on_request():
     private = ["192.168.1.1", "10.0.0.1", "172.16.5.4", "127.0.0.1", "169.254.10.20", "203.0.113.7",
-               "198.51.100.23", "192.0.2.1", "::1", "fe80::1", "2001:db8::1", "fd00::1"]
+               "198.51.100.23", "192.0.2.1", "::1", "fe80::1", "2001:db8::1", "fd00::1", "224.0.0.251", "ff02::fb"]
     public = ["8.8.8.8", "85.195.226.14", "2a00:1450:4001:82b::200e"]
     assert PIIConfig().public_ips_only is True
     for ip in private:

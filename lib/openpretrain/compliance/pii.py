@@ -23,7 +23,8 @@ from ..core import ConfigError, data_dir
 # %% auto #0
 __all__ = ['MARKERS', 'KINDS', 'MODES', 'IBAN_LENGTHS', 'APERTUS_PATTERNS', 'BBAN_FORMATS', 'PIIConfig', 'Span', 'iban_checksum',
            'is_valid_iban', 'find_pii', 'anonymize', 'render', 'PIIAnonymizer', 'synth_iban', 'group_iban',
-           'change_one_digit', 'build_testset', 'testset_path', 'write_testset', 'load_testset', 'precision_recall']
+           'change_one_digit', 'build_testset', 'testset_path', 'write_testset', 'load_testset', 'precision_recall',
+           'in_context']
 
 # %% ../../../nbs/03_pii.ipynb #24138d02
 MARKERS = {"email": "<email-pii>", "ip": "<ip-pii>", "iban": "<iban-pii>"}
@@ -73,7 +74,7 @@ def is_valid_iban(iban: str) -> bool:
     return (IBAN_LENGTHS.get(s[:2]) == len(s) and s[2:4].isdigit() and s.isascii() and s.isalnum()
             and iban_checksum(s) == 1)
 
-# %% ../../../nbs/03_pii.ipynb #9d072681
+# %% ../../../nbs/03_pii.ipynb #24dba744
 _IPV4_CANDIDATE = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}")
 _BEFORE_IPV4 = frozenset(string.ascii_letters + string.digits + "_.")
 _AFTER_TOKEN = frozenset(string.ascii_letters + string.digits + "_")
@@ -95,16 +96,23 @@ def _ipv4_spans(text: str, public_only: bool) -> Iterator[Span]:
         octets = m.group().split(".")
         if any(len(o) > 1 and o[0] == "0" or int(o) > 255 for o in octets):
             continue
-        if _standalone(text, start, end, _BEFORE_IPV4) and _keeps_ip(m.group(), public_only):
+        if (_standalone(text, start, end, _BEFORE_IPV4) and not _outline_number(text, start, end)
+                and _keeps_ip(m.group(), public_only)):
             yield Span(start, end, "ip")
 
+def _outline_number(text: str, start: int, end: int) -> bool:
+    "`6.2.4.1. Title` alone at the start of a line is a section number, not an address."
+    line_start = text.rfind("\n", 0, start) + 1
+    return (not text[line_start:start].strip() and text[end:end + 1] == "."
+            and (end + 1 == len(text) or text[end + 1].isspace()))
+
 def _keeps_ip(address: str, public_only: bool) -> bool:
-    "True when the address is to be replaced: any valid one, or only globally routable ones."
+    "True when the address is to be replaced: any valid one, or only public ones (global unicast)."
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
-    return ip.is_global or not public_only
+    return not public_only or (ip.is_global and not ip.is_multicast)
 
 # %% ../../../nbs/03_pii.ipynb #abb1fd06
 _IPV6_CANDIDATE = re.compile(
@@ -130,9 +138,10 @@ def _ipv6_spans(text: str, public_only: bool) -> Iterator[Span]:
         if _keeps_ip(cand, public_only):
             yield Span(start, end, "ip")
 
-# %% ../../../nbs/03_pii.ipynb #c0ad03dc
-_ATOM = r"[A-Za-z0-9À-ÖØ-öø-ɏ!#$%&'*+/=?^_`{|}~-]"  # RFC 5322 atoms, plus Latin letters with diacritics
-_LOCAL = re.compile(rf"(?<![A-Za-z0-9À-ÖØ-öø-ɏ!#$%&'*+/=?^_`{{|}}~.-]){_ATOM}+(?:\.{_ATOM}+)*\Z")
+# %% ../../../nbs/03_pii.ipynb #c7aa5c73
+_WORD = "A-Za-z0-9À-ÖØ-öø-ɏ_"  # ASCII word characters and Latin letters with diacritics
+_ATOM = rf"[{_WORD}!#$%&'*+/=?^`{{|}}~-]"  # RFC 5322 atom characters
+_LOCAL = re.compile(rf"(?<![{_WORD}.])[{_WORD}]{_ATOM}*(?:\.{_ATOM}+)*\Z")
 _DOMAIN = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+([A-Za-z]{2,63})"
                      r"(?![A-Za-z0-9-]|\.[A-Za-z0-9])")
 _NOT_TLDS = frozenset({"png", "jpg", "jpeg", "gif", "svg", "webp", "ico", "bmp", "tif", "tiff", "pdf"})
@@ -306,7 +315,7 @@ def change_one_digit(iban: str, rng: random.Random) -> str:
     pos = rng.choice([i for i, c in enumerate(iban) if i >= 4 and c.isdigit()])
     return iban[:pos] + rng.choice([d for d in string.digits if d != iban[pos]]) + iban[pos + 1:]
 
-# %% ../../../nbs/03_pii.ipynb #b0904ee8
+# %% ../../../nbs/03_pii.ipynb #61dd6e45
 _CONTEXTS = {
     "email": {"en": ["Mail me at {}.", "Contact: {}", "Questions go to <{}>, thanks"],
               "de": ["Schreiben Sie an {} für Details.", "Kontakt ({})"],
@@ -368,14 +377,18 @@ def build_testset(seed: int = 0) -> list[dict]:
     for group, values in _NEGATIVES.items():
         for value in values:
             add(f"negative-{group}", "negative", value, [])
-    for text, ips in _MULTI:  # several addresses in one text: the substring-replace defect, emails vs IPs
+    for group, text, ips in _WHOLE_TEXTS:  # several addresses in one text, section numbers at line starts
         spans = [[text.index(ip), text.index(ip) + len(ip), "ip", public] for ip, public in ips]
-        items.append({"id": f"ipv4-{len(items):03d}", "lang": "en", "group": "ipv4", "text": text, "spans": spans})
+        items.append({"id": f"{group}-{len(items):03d}", "lang": "en", "group": group, "text": text, "spans": spans})
     return items
 
-_MULTI = [("Hosts 10.0.0.1 and 110.0.0.12 share the subnet mask 255.255.255.0.",
-           [("10.0.0.1", False), ("110.0.0.12", True), ("255.255.255.0", False)]),
-          ("Log in with ssh admin@85.195.226.14 -p 2222.", [("85.195.226.14", True)])]
+_WHOLE_TEXTS = [
+    ("ipv4", "Hosts 10.0.0.1 and 110.0.0.12 share the subnet mask 255.255.255.0.",
+     [("10.0.0.1", False), ("110.0.0.12", True), ("255.255.255.0", False)]),
+    ("ipv4", "Log in with ssh admin@85.195.226.14 -p 2222.", [("85.195.226.14", True)]),
+    ("ipv4", "/etc/hosts:\n127.0.0.1 localhost\n85.195.226.14 www\n", [("127.0.0.1", False), ("85.195.226.14", True)]),
+    ("negative-ip-like", "Contents\n6.2.4.1. Basic configuration\n6.2.4.2. Mail forwarding\n", []),
+]
 
 # %% ../../../nbs/03_pii.ipynb #33145e7c
 def testset_path() -> Path:
@@ -409,3 +422,12 @@ def precision_recall(items: list[dict], *, mode: str = "ours", public_ips_only: 
         recall = t["tp"] / (t["tp"] + t["fn"]) if t["tp"] + t["fn"] else float("nan")
         rows.append({"kind": kind, **t, "precision": precision, "recall": recall})
     return rows
+
+# %% ../../../nbs/03_pii.ipynb #7a65821b
+def in_context(text: str, spans: Iterable[Span], at: Span, width: int = 40) -> str:
+    "The text around `at`, `width` characters either side, with every span in view replaced by its marker."
+    lo, hi = max(0, at.start - width), min(len(text), at.end + width)
+    inside = sorted(s for s in spans if s.end > lo and s.start < hi)
+    lo, hi = min([lo, *(s.start for s in inside)]), max([hi, *(s.end for s in inside)])
+    window = render(text[lo:hi], [Span(s.start - lo, s.end - lo, s.kind) for s in inside])
+    return ("…" if lo else "") + " ".join(window.split()) + ("…" if hi < len(text) else "")
