@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from openpretrain.compliance.ledger import Ledger, record
 from openpretrain.compliance.robots import (AI_USER_AGENTS, MAX_ROBOTS_BYTES, POLICIES, REPORT_AGENTS, RobotsConfig,
-                                            RobotsFilter, RobotsOracle, fetch_robots, group_applied_before_07,
+                                            RobotsFilter, RobotsOracle, SNAPSHOT_COLUMNS, fetch_robots, group_applied_before_07,
                                             group_applies, host_key, is_allowed, rank_domains, read_snapshot,
                                             registrable_domain, robots_file, write_snapshot)
 from openpretrain.core import ConfigError, load_preset
@@ -130,6 +130,7 @@ def test_agent_lists():
 POLICY_TABLE = [  # (fetch, apertus keeps, rfc9309 keeps)
     ((404, b""), True, True), ((401, b""), True, True), ((301, b""), True, True),
     ((500, b""), True, False), ((503, b""), True, False), ((None, b""), True, False), ((0, b""), True, False),
+    ((pd.NA, b""), True, False),
     ((200, b"<!doctype html><html><body>Disallow: /</body></html>"), True, True),
     ((200, bytes(range(256)) * 8), True, True),
 ]
@@ -161,6 +162,18 @@ def test_only_first_500_kib_parsed_and_partial_line_dropped():
     f = robots_file(200, body.encode())
     assert f.status == "ok" and len(f.text.encode()) <= MAX_ROBOTS_BYTES and "private" not in f.text
     assert is_allowed(f.text, "https://e.com/c", "GPTBot") and not is_allowed(f.text, "https://e.com/a", "GPTBot")
+
+
+def test_malformed_lines_are_read_leniently_like_googles_parser():
+    body = b"User agent: GPTBot\nDisalow: /\nUser-agent GPTBot\nDisallow /private\n<meta name=\"robots\">\nUser-agent: *\nDisallow:\n"
+    f = robots_file(200, body)
+    assert f.status == "ok" and not is_allowed(f.text, "https://e.com/a", "GPTBot")  # 'Disalow' is a known typo
+    assert is_allowed(f.text, "https://e.com/a", "ClaudeBot")
+
+
+def test_empty_200_allows_everything():
+    d = RobotsOracle(snapshot({"e.com": (200, b"")})).decide("https://e.com/a")
+    assert d.kept and d.reason == "allowed"
 
 
 def test_latin1_and_bom_bodies_parse():
@@ -472,15 +485,16 @@ def test_fetcher_outcomes(servers, fetched):
     assert row["ok"].http_status == 200 and row["ok"].body == b"User-agent: GPTBot\nDisallow: /\n"
     assert row["missing"].http_status == 404 and row["error"].http_status == 500
     assert row["flaky"].http_status == 200  # retried after the 503
-    assert row["slow"].http_status == 0 and "Timeout" in row["slow"].error
-    assert row["loop"].http_status == 302 and "more than 5" in row["loop"].error and row["loop"].redirects == 5
-    assert row["chain5"].http_status == 200 and row["chain5"].redirects == 5 and row["chain5"].url.endswith("/r5")
-    assert row["chain6"].http_status == 301 and row["chain6"].redirects == 5
-    assert row["ftp"].http_status == 302 and "unusable" in row["ftp"].error
-    assert row["huge"].truncated and len(row["huge"].body) == MAX_ROBOTS_BYTES
+    assert pd.isna(row["slow"].http_status) and "Timeout" in row["slow"].fetch_error
+    assert row["loop"].http_status == 302 and "more than 5" in row["loop"].fetch_error and len(row["loop"].redirects) == 5
+    assert row["chain5"].http_status == 200 and len(row["chain5"].redirects) == 5 and row["chain5"].final_url.endswith("/r5")
+    assert row["chain6"].http_status == 301 and len(row["chain6"].redirects) == 5
+    assert row["ftp"].http_status == 302 and "unusable" in row["ftp"].fetch_error
+    assert len(row["huge"].body) == MAX_ROBOTS_BYTES  # 2.2 MB served, 500 KiB kept
     assert robots_file(row["binary"].http_status, row["binary"].body).why == "binary"
     refused = snap.loc[snap.index[-1]]
-    assert refused.http_status == 0 and "Connect" in refused.error
+    assert pd.isna(refused.http_status) and "Connect" in refused.fetch_error
+    assert list(snap.reset_index().columns) == list(SNAPSHOT_COLUMNS)
 
 
 def test_fetched_snapshot_drives_the_filter(servers, fetched, tmp_path):

@@ -23,11 +23,11 @@ from .ledger import record
 from ..core import ConfigError
 
 # %% auto #0
-__all__ = ['REPORT_AGENTS', 'AI_USER_AGENTS', 'WILDCARD', 'MAX_ROBOTS_BYTES', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'REDIRECTS',
-           'FETCH_USER_AGENT', 'parse_robots', 'is_allowed', 'group_applies', 'group_applied_before_07',
-           'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text', 'RobotsConfig', 'RobotsDecision', 'host_key',
-           'RobotsOracle', 'registrable_domain', 'RobotsFilter', 'rank_domains', 'fetch_robots', 'fetch_robots_async',
-           'write_snapshot', 'read_snapshot']
+__all__ = ['REPORT_AGENTS', 'AI_USER_AGENTS', 'WILDCARD', 'MAX_ROBOTS_BYTES', 'POLICIES', 'ENGLISH', 'TRANSIENT',
+           'SNAPSHOT_COLUMNS', 'REDIRECTS', 'FETCH_USER_AGENT', 'parse_robots', 'is_allowed', 'group_applies',
+           'group_applied_before_07', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text', 'RobotsConfig',
+           'RobotsDecision', 'host_key', 'RobotsOracle', 'registrable_domain', 'RobotsFilter', 'rank_domains',
+           'fetch_robots', 'fetch_robots_async', 'write_snapshot', 'read_snapshot']
 
 # %% ../../../nbs/02_robots.ipynb #74ecbc2b
 REPORT_AGENTS = ("GPTBot", "CCBot", "Google-Extended", "ClaudeBot", "Bytespider", "Applebot-Extended", "Diffbot",
@@ -58,7 +58,7 @@ def group_applied_before_07(group: str, agent: str) -> bool:
     token = group.strip().lower()
     return token == "*" or token in agent.strip().lower()
 
-# %% ../../../nbs/02_robots.ipynb #8d8f4233
+# %% ../../../nbs/02_robots.ipynb #0c04d988
 @dataclass(frozen=True)
 class MissingPolicy:
     "What a missing robots.txt means: 'allow' (everything may be used) or 'disallow' (nothing may)."
@@ -78,8 +78,8 @@ class RobotsFile:
     text: str | None = None
 
 def robots_file(http_status, body: bytes | str | None, max_bytes: int = MAX_ROBOTS_BYTES) -> RobotsFile:
-    "Classify one fetch result (HTTP status, or 0/None for a network failure, and its body) as a `RobotsFile`."
-    code = 0 if http_status is None or (isinstance(http_status, float) and math.isnan(http_status)) else int(http_status)
+    "Classify one fetch result (final HTTP status — None/NA/0 for a network failure — and body) as a `RobotsFile`."
+    code = 0 if pd.isna(http_status) else int(http_status)
     if code == 0:
         return RobotsFile("unreachable", "network")
     if 300 <= code < 400:
@@ -296,8 +296,10 @@ def _safe_host_key(url) -> str | None:
     except ValueError:
         return None
 
-# %% ../../../nbs/02_robots.ipynb #cbd426c5
+# %% ../../../nbs/02_robots.ipynb #ebc05171
 TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})  # statuses worth retrying (0 = network error or timeout)
+SNAPSHOT_COLUMNS = ("host", "url", "redirects", "final_url", "http_status", "content_type", "body", "fetched_at",
+                    "fetch_error")  # the embedded snapshot's format (chapter 01)
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 FETCH_USER_AGENT = "openpretrain-robots/0.1 (+https://github.com/openpretrain)"
 
@@ -325,8 +327,9 @@ async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", con
             async with gate:
                 return await fetch.host(client, origin.netloc, f"{origin.scheme}://{origin.netloc}/robots.txt")
         rows = await asyncio.gather(*(one(h) for h in hosts))
-    return pd.DataFrame(rows, columns=["host", "url", "http_status", "body", "fetched_at", "redirects",
-                                       "truncated", "error"])
+    snapshot = pd.DataFrame(rows, columns=SNAPSHOT_COLUMNS)
+    snapshot["http_status"] = snapshot["http_status"].astype("Int64")
+    return snapshot
 
 class _Politeness:
     "One request at a time per host, `delay` seconds apart."
@@ -355,49 +358,49 @@ class _Fetcher:
 
     async def host(self, client, host: str, url: str) -> dict:
         "Follow ≤ max_redirects redirects from `url`; the snapshot row of `host`."
-        redirects = 0
+        start, chain = url, []
         while True:
-            status, location, body, truncated, error = await self.attempts(client, url)
+            status, location, content_type, body, error = await self.attempts(client, url)
             if status not in REDIRECTS:
                 break
             target = urljoin(url, location or "")
             if not location or urlsplit(target).scheme not in ("http", "https"):
                 error = f"redirect to unusable location {location!r}"
                 break
-            if redirects == self.max_redirects:
-                error = f"more than {self.max_redirects} redirects"
+            if len(chain) == self.max_redirects:
+                error = f"too many redirects (more than {self.max_redirects})"
                 break
-            url, redirects = target, redirects + 1
-        return {"host": host, "url": url, "http_status": status, "body": body if 200 <= status < 300 else b"",
-                "fetched_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                "redirects": redirects, "truncated": truncated, "error": error}
+            url = target
+            chain.append(url)
+        return {"host": host, "url": start, "redirects": chain, "final_url": url, "http_status": status or None,
+                "content_type": content_type, "body": body if 200 <= status < 300 else b"",
+                "fetched_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "fetch_error": error}
 
     async def attempts(self, client, url: str):
-        "One GET with retries on transient failures: (status, location, body, truncated, error)."
+        "One GET with retries on transient failures: (status, location, content type, body, error)."
         import httpx
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             async with self.polite.slot(urlsplit(url).netloc):
                 try:
-                    result = (*await asyncio.wait_for(self.get(client, url), self.timeout), None)
+                    result = (*await asyncio.wait_for(self.get(client, url), self.timeout), "")
                 except (TimeoutError, OSError, httpx.HTTPError, httpx.InvalidURL) as e:  # timeouts, resets, protocol
-                    result = (0, None, b"", False, f"{type(e).__name__}: {e}"[:200])
+                    result = (0, None, "", b"", f"{type(e).__name__}: {e}"[:200])
             if result[0] not in TRANSIENT:
                 return result
         return result
 
-    async def get(self, client, url: str) -> tuple[int, str | None, bytes, bool]:
+    async def get(self, client, url: str) -> tuple[int, str | None, str, bytes]:
         "Stream one response, keeping at most max_bytes of its (decoded) body."
         async with client.stream("GET", url) as r:
-            body, truncated = bytearray(), False
+            body = bytearray()
             if 200 <= r.status_code < 300:
                 async for chunk in r.aiter_bytes():
                     body += chunk
                     if len(body) > self.max_bytes:
-                        truncated = True
-                        break
-            return r.status_code, r.headers.get("location"), bytes(body[: self.max_bytes]), truncated
+                        break  # the rest is never read
+            return r.status_code, r.headers.get("location"), r.headers.get("content-type", ""), bytes(body[: self.max_bytes])
 
 def write_snapshot(snapshot: pd.DataFrame, path: str | Path) -> Path:
     "Store a snapshot frame as Parquet (bodies as bytes)."
