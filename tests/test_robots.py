@@ -252,6 +252,16 @@ def test_malformed_urls_are_kept_with_a_reason(url, reason):
         assert d.kept and d.reason == reason
 
 
+@settings(max_examples=150, deadline=None)
+@given(url=st.one_of(st.text(max_size=40), st.builds(lambda h, p: f"https://{h}/{p}", st.text(max_size=20), st.text(max_size=10))),
+       mode=st.sampled_from(["url", "domain"]))
+def test_any_string_gets_a_decision_and_never_raises(url, mode):
+    d = RobotsOracle(SNAP, RobotsConfig(mode=mode, domain_scope="registrable")).decide(url)
+    assert d.reason in ("allowed", "disallowed-url", "blocked-domain", "unavailable", "unreachable", "no-robots",
+                        "no-host", "bad-url")
+    assert d.kept or d.agents or d.reason in ("unavailable", "unreachable")
+
+
 def test_malformed_snapshot_hosts_do_not_crash():
     snap = snapshot({"[::1": "User-agent: *\nDisallow: /\n", "e.com:x": "x", "": "y", "ok.com": "User-agent: *\nDisallow: /\n"})
     o = RobotsOracle(snap)
