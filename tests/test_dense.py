@@ -1,0 +1,253 @@
+"""The Apertus dense decoder and the shared model parts, against transformers and against their defining properties."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openpretrain.core import ConfigError, load_preset
+from openpretrain.models.common import (KVCache, apply_rope, cache_bytes_per_token, document_positions, generate,
+                                        param_counts, rope_inv_freq, sample_next)
+from openpretrain.models.dense import (XIELU, DenseConfig, build, from_hf, hf_config, to_hf,
+                                       train_flops_per_token, xielu_reference)
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+
+
+def small(**kw) -> DenseConfig:
+    return DenseConfig(**{**dict(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=168,
+                                 max_seq_len=64, init_std=0.05), **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build(small()).eval()
+
+
+# --- parameter counts of the published shapes --------------------------------------------------------------------
+@pytest.mark.parametrize("preset,report", [("apertus-8b", 8.05e9), ("apertus-70b", 70.6e9)])
+def test_published_presets_have_the_reports_parameter_count(preset, report):
+    model = build(load_preset(preset).section("model", DenseConfig), device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    counts = param_counts(model)
+    assert abs(counts["total"] / report - 1) < 0.01
+    assert counts["active"] == counts["total"]  # dense: every parameter is used by every token
+    c = model.config
+    assert counts["embedding"] == c.vocab_size * c.d_model  # one untied input table
+
+
+def test_tiny_preset_builds_a_small_model_on_cpu():
+    model = build(load_preset("tiny").section("model", DenseConfig))
+    assert 1e6 < param_counts(model)["total"] < 2e7
+    assert model(torch.randint(0, model.config.vocab_size, (1, 8))).shape == (1, 8, model.config.vocab_size)
+
+
+def test_model_section_rejects_unknown_knob_and_wrong_arch():
+    with pytest.raises(ValueError):
+        DenseConfig(arch="hybrid")
+    from openpretrain.core import from_dict
+    with pytest.raises(ConfigError, match="n_layer"):
+        from_dict(DenseConfig, {"n_layer": 2})
+
+
+def test_active_param_count_hook_is_used_for_partly_active_modules():
+    class Experts(torch.nn.Module):  # 8 experts, 2 used per token
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(8, 10, 10))
+
+        def active_param_count(self):
+            return 2 * 10 * 10
+    net = torch.nn.Sequential(torch.nn.Embedding(5, 10), torch.nn.Linear(10, 10), Experts())
+    assert param_counts(net) == {"total": 50 + 110 + 800, "active": 50 + 110 + 200, "embedding": 50}
+
+
+def test_swiglu_variant_matches_xielu_parameters_without_qk_norm():
+    xielu_model, swiglu_model = build(small(), "meta"), build(small(activation="swiglu", qk_norm=False), "meta")
+    per_layer = 2 * 16 + 2  # q/k norm gains (head_dim 16) and xIELU's (a_p, a_n); the MLP matrices match exactly
+    assert param_counts(xielu_model)["total"] - param_counts(swiglu_model)["total"] == 2 * per_layer
+    assert not any("q_norm" in n for n, _ in swiglu_model.named_parameters())
+
+
+def test_output_projections_get_depth_scaled_init():
+    torch.manual_seed(0)
+    m = build(DenseConfig(vocab_size=256, d_model=256, n_layers=8, n_heads=4, n_kv_heads=2, mlp_hidden=1024))
+    std = m.config.init_std
+    assert m.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(std, rel=0.02)
+    assert m.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(std / 4, rel=0.02)  # /√(2·8)
+    assert m.embed_tokens.weight.std().item() == pytest.approx(std, rel=0.02)
+
+
+def test_train_flops_count_six_per_matmul_parameter():
+    c = small()
+    m = build(c, "meta")
+    matmul = param_counts(m)["total"] - param_counts(m)["embedding"] - sum(
+        p.numel() for n, p in m.named_parameters() if "norm" in n or "act_fn" in n)
+    assert train_flops_per_token(c, 1) == 6 * matmul + 6 * c.n_layers * c.n_heads * c.head_dim
+
+
+# --- xIELU and RoPE against transformers ------------------------------------------------------------------------
+def test_xielu_matches_transformers_values_and_gradients():
+    from transformers.activations import XIELUActivation
+    ref, ours = XIELUActivation(dtype=torch.float32), XIELU()
+    with torch.no_grad():  # move away from the init so a_p, a_n mistakes show
+        for m in (ref, ours):
+            m.alpha_p.fill_(0.3), m.alpha_n.fill_(-0.7)
+    x = torch.cat([torch.randn(4000) * 4, torch.tensor([0.0, -1e-6, -3e-6, 1e-7, -40.0])]).requires_grad_()
+    torch.testing.assert_close(ours(x), ref(x))
+    g_ours = torch.autograd.grad(ours(x).square().sum(), [x, ours.alpha_p, ours.alpha_n])
+    g_ref = torch.autograd.grad(ref(x).square().sum(), [x, ref.alpha_p, ref.alpha_n])
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_xielu_initial_slopes_are_published_values():
+    act = XIELU()
+    x = torch.tensor([2.0, -1e4])
+    y = xielu_reference(x, act.alpha_p, act.alpha_n)
+    assert y[0].item() == pytest.approx(0.8 * 4 + 0.5 * 2)            # α_p x² + β x with α_p = 0.8
+    assert y[1].item() / -1e4 == pytest.approx(0.5 - 0.8, rel=1e-3)  # slope β − α_n far left, α_n = 0.8
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = hf_config(small(rope_theta=12e6, rope_scaling=LLAMA3, max_seq_len=256))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(16, 12e6, LLAMA3), expected)
+
+
+@given(st.integers(0, 500), st.integers(0, 500), st.integers(1, 300))
+@settings(max_examples=30, deadline=None)
+def test_rope_scores_depend_only_on_distance(m, n, shift):
+    torch.manual_seed(0)
+    q, k, inv = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32), rope_inv_freq(32, 500_000.0)
+    def score(a, b):
+        ang = lambda p: torch.cat([p * inv, p * inv])  # noqa: E731
+        return (apply_rope(q, ang(a).cos(), ang(a).sin()) * apply_rope(k, ang(b).cos(), ang(b).sin())).sum()
+    assert score(m, n).item() == pytest.approx(score(m + shift, n + shift).item(), abs=1e-3)
+
+
+# --- equivalence with transformers' ApertusForCausalLM ------------------------------------------------------------
+@pytest.mark.parametrize("rope", ["plain", "llama3"])
+def test_logits_match_transformers_apertus(rope):
+    torch.manual_seed(1)
+    kw = dict(rope_theta=12e6, rope_scaling=LLAMA3) if rope == "llama3" else {}
+    ours = build(small(**kw, max_seq_len=128)).eval()
+    with torch.no_grad():
+        for layer in ours.layers:  # trained-looking xIELU and norm parameters, not the init
+            layer.mlp.act_fn.alpha_p.normal_(), layer.mlp.act_fn.alpha_n.normal_()
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5), layer.attention_layernorm.weight.uniform_(0.5, 1.5)
+    hf = to_hf(ours).eval()
+    assert type(hf).__name__ == "ApertusForCausalLM"
+    ids = torch.randint(0, 300, (3, 100))  # longer than original_max_position_embeddings: scaling matters
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_save_pretrained_loads_with_automodel_and_round_trips_exactly(model, tmp_path):
+    to_hf(model).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "ApertusForCausalLM"
+    back = from_hf(loaded)
+    assert back.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_variants_without_a_transformers_counterpart_are_refused():
+    with pytest.raises(ValueError, match="Apertus variant"):
+        hf_config(small(activation="swiglu"))
+
+
+# --- masking, caching and decoding ----------------------------------------------------------------------------------
+def test_packed_row_equals_documents_run_separately(model):
+    torch.manual_seed(2)
+    docs = [torch.randint(0, 300, (n,)) for n in (7, 12, 5)]
+    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(docs)[None], doc_ids=doc_ids)[0]
+        alone = torch.cat([model(d[None])[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_never_crosses_documents(model):
+    ids = torch.randint(0, 300, (1, 20))
+    doc_ids = torch.tensor([[0] * 10 + [1] * 10])
+    changed = ids.clone()
+    changed[0, :10] = torch.randint(0, 300, (10,))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, doc_ids=doc_ids)[0, 10:], model(changed, doc_ids=doc_ids)[0, 10:])
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=6))
+def test_document_positions_restart_at_each_boundary(lengths):
+    doc_ids = torch.cat([torch.full((n,), i % 2) for i, n in enumerate(lengths)])[None]  # ids may repeat
+    expected = [p for n in lengths for p in range(n)]
+    assert document_positions(doc_ids)[0].tolist() == expected
+
+
+def test_cached_decoding_equals_full_recomputation(model):
+    ids = torch.randint(0, 300, (2, 20))
+    cache = model.init_cache(2, 20)
+    with torch.no_grad():
+        full = model(ids)
+        steps = [model(ids[:, :8], cache=cache), model(ids[:, 8:13], cache=cache)]
+        steps += [model(ids[:, t:t + 1], cache=cache) for t in range(13, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.pos == 20
+
+
+def test_cache_bytes_per_token_equals_allocated_cache(model):
+    cache = model.init_cache(1, 50, dtype=torch.bfloat16)
+    allocated = sum(t.nbytes for t in cache.k + cache.v)
+    assert cache_bytes_per_token(model.config, torch.bfloat16) * 50 == allocated
+    assert cache_bytes_per_token(DenseConfig()) == 2 * 32 * 8 * 128 * 2  # Apertus-8B: 128 KiB per token
+
+
+def test_cache_overflow_is_a_clear_error():
+    cache = KVCache(1, 1, 4, 1, 2)
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.update(0, torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))
+
+
+def test_greedy_generate_equals_argmax_of_full_recomputation(model):
+    prompt = torch.randint(0, 300, (2, 5))
+    out = generate(model, prompt, 8)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_nucleus_sampling_is_seeded_and_stays_in_the_nucleus(model):
+    prompt = torch.randint(0, 300, (2, 4))
+    a = generate(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
+    assert torch.equal(a, generate(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3))
+    logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, 1.0, 0.8, g) for _ in range(500)])
+    assert set(draws.unique().tolist()) == {0, 1}  # 0.6 < 0.8 ≤ 0.85: the nucleus is {0, 1}
+    assert (draws == 0).float().mean().item() == pytest.approx(0.6 / 0.85, abs=0.07)
+
+
+def test_generate_pads_with_eos_after_a_row_ends(model):
+    prompt = torch.randint(0, 300, (1, 3))
+    first = generate(model, prompt, 1)[0, -1].item()
+    out = generate(model, prompt, 5, eos_id=first)
+    assert out[0, 3:].tolist() == [first] * 5
+
+
+def test_bf16_forward_runs_and_stays_close_to_fp32(model):
+    ids = torch.randint(0, 300, (1, 16))
+    half = build(small(), dtype=torch.bfloat16)
+    half.load_state_dict({k: v.bfloat16() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        diff = (half(ids).float() - model(ids)).abs().max().item()
+    assert diff < 0.1 * model(ids).abs().max().item()
+    assert math.isfinite(diff)
