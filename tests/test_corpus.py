@@ -1,0 +1,277 @@
+"""The embedded corpus (chapter 01): schema, languages, ids, probes, UDHR alignment, robots snapshot, loaders."""
+import hashlib
+import re
+import uuid
+from datetime import datetime
+from urllib.parse import urlsplit
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from openpretrain import corpus as C
+
+
+@pytest.fixture(scope="module")
+def docs() -> pd.DataFrame:
+    return pd.concat([C.load_embedded(s).to_pandas() for s in C.SPLITS], ignore_index=True)
+
+
+@pytest.fixture(scope="module")
+def all_text(docs) -> str:
+    return "\x00".join(docs.text)
+
+
+# --- schema and metadata -------------------------------------------------------------------------------------
+
+def test_documents_follow_the_fineweb2_schema(docs):
+    assert list(docs.columns) == list(C.DOC_COLUMNS)
+    assert set(C.FINEWEB_COLUMNS) <= set(docs.columns)
+    assert docs.id.str.fullmatch(r"<urn:uuid:[0-9a-f-]{36}>").all()
+    assert docs.dump.isin(C.DUMPS).all() and docs.dump.str.fullmatch(r"CC-MAIN-20(1[3-9]|2[0-4])-\d\d").all()
+    assert docs.language_score.between(0, 1).all() and docs.lid_score.between(0, 1).all()
+    assert (docs.token_count > 0).all() and (docs.word_count >= C.MIN_WORDS).all()
+    assert set(docs.split) == set(C.SPLITS)
+
+
+def test_dates_fall_in_their_dumps_week(docs):
+    for dump, date in zip(docs.dump[:500], docs.date[:500]):
+        year, week = map(int, dump.removeprefix("CC-MAIN-").split("-"))
+        when = datetime.strptime(date, "%Y-%m-%dT%H:%M:%SZ").isocalendar()
+        assert (when.year, when.week) == (year, week)
+    years = pd.to_datetime(docs.date).dt.year
+    assert years.min() == 2013 and years.max() == 2024
+
+
+def test_token_count_is_the_documented_regex_count(docs):
+    sample = docs.sample(50, random_state=0)
+    assert [C.count_tokens(t) for t in sample.text] == list(sample.token_count)
+    assert [len(t.split()) for t in sample.text] == list(sample.word_count)
+    assert C.count_tokens("Don't panic!") == 5 and C.count_tokens("世界人权") == 4
+
+
+def test_urls_spread_over_hosts_ports_and_subdomains(docs):
+    netlocs = {urlsplit(u).netloc for u in docs.url}
+    assert len(netlocs) >= 40
+    assert any(":" in n for n in netlocs) and any(n.startswith("www.") for n in netlocs)
+    assert {"www.linuxhandbuch.de", "manpages.linuxhandbuch.de"} <= netlocs  # two hosts of one domain
+    assert docs.url.is_unique
+
+
+# --- languages -----------------------------------------------------------------------------------------------
+
+def test_corpus_covers_many_languages_including_the_swiss_ones(docs):
+    langs = set(docs.language)
+    assert len(langs) >= 25
+    assert {"eng", "deu", "fra", "ita", "spa", "roh"} <= langs
+    per_lang = docs.groupby("language").size()
+    assert (per_lang[["eng", "deu", "fra", "ita", "spa"]] > 500).all() and per_lang["roh"] > 100
+
+
+def test_pycld2_agrees_with_the_declared_language_on_the_bulk(docs):
+    bulk = docs[docs.source.str.startswith(("debian-reference", "fortunes", "manpages", "bible"))]
+    agreement = (bulk.language == bulk.lid_language).mean()
+    assert agreement > 0.97
+    romansh_udhr = docs[(docs.source == "udhr") & (docs.language == "roh")]
+    assert len(romansh_udhr) >= 6 and (romansh_udhr.lid_language == "roh").all()
+
+
+# --- ids ---------------------------------------------------------------------------------------------------
+
+def test_ids_are_unique_and_derived_from_source_and_locator(docs):
+    assert docs.id.is_unique
+    genesis = docs[docs.url.str.endswith("/kjv/genesis/1")].iloc[0]
+    assert genesis.id == f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, 'bible-kjv-text:Gen 1')}>"
+    assert genesis.text.startswith("Genesis 1\n\n1 In the beginning God created the heaven and the earth.\n2 ")
+
+
+def test_splits_are_disjoint_and_validation_is_about_five_percent(docs):
+    share = (docs.split == "validation").mean()
+    assert 0.03 < share < 0.07
+    train, val = (set(C.load_embedded(s)["id"]) for s in C.SPLITS)
+    assert not train & val
+
+
+# --- memorisation probes -----------------------------------------------------------------------------------
+
+def test_held_out_probes_never_occur_in_the_corpus(all_text):
+    probes = C.load_probes()
+    held = probes[probes.kind == "held_out"]
+    assert len(held) >= 20
+    for p in held.itertuples():
+        as_chapter = f"{p.book} {p.chapter}\n\n1 {p.verses[0]}\n2 {p.verses[1]}"
+        assert as_chapter not in all_text and p.text not in all_text, p.reference
+        assert "\n".join(f"{i} {v}" for i, v in enumerate(p.verses[:3], 1)) not in all_text, p.reference
+
+
+def test_canonical_passages_occur_in_every_formatting_variant(docs, all_text):
+    probes = C.load_probes()
+    canonical = probes[probes.kind == "canonical"]
+    assert "Gen 1:1-10" in set(canonical.reference)
+    by_id = docs.set_index("id")
+    for p in canonical.itertuples():
+        assert list(p.variant_formats) == list(C.VARIANT_FORMATS)
+        variants = by_id.loc[list(p.variant_ids)]
+        assert (variants.split == "train").all()
+        book = C._book_index(p.reference.rsplit(" ", 1)[0])
+        passage = list(zip(range(p.verse_start, p.verse_end + 1), p.verses))
+        assert list(variants.text) == [C.format_passage(book, p.chapter, passage, s) for s in C.VARIANT_FORMATS]
+        chapter_lines = "\n".join(f"{v} {t}" for v, t in passage)
+        assert chapter_lines in all_text  # and once more in the chapter document itself
+    wrapped = by_id.loc[list(canonical.iloc[0].variant_ids)].text.iloc[2]
+    assert max(len(line) for line in wrapped.split("\n")[2:]) <= 60
+
+
+# --- UDHR ----------------------------------------------------------------------------------------------------
+
+def test_udhr_table_is_article_aligned():
+    udhr = C.load_udhr()
+    articles = udhr.groupby("code").article.apply(sorted)
+    assert len(articles) >= 450
+    assert all(a == list(range(31)) for a in articles)
+    assert {"eng", "deu_1996", "fra", "ita", "roh", "roh_rumgr", "roh_puter", "roh_vallader"} <= set(articles.index)
+    eng1 = udhr[(udhr.code == "eng") & (udhr.article == 1)].text.item()
+    assert eng1.startswith("All human beings are born free and equal in dignity and rights.")
+    assert udhr[udhr.code == "rus"].script.iloc[0] == "Cyrl" and udhr[udhr.code == "eng"].script.iloc[0] == "Latn"
+
+
+def test_dominant_script_names_iso15924_codes():
+    assert C.dominant_script("Всеобщая декларация") == "Cyrl"
+    assert C.dominant_script("すべての人間は、生まれながらにして自由") == "Jpan"
+    assert C.dominant_script("世界人权宣言") == "Hani"
+    assert C.dominant_script("الإعلان العالمي") == "Arab"
+    assert C.dominant_script("123 !") == "Zyyy"
+
+
+# --- robots snapshot -----------------------------------------------------------------------------------------
+
+def test_robots_snapshot_has_one_row_per_corpus_host(docs):
+    rb = C.load_robots_snapshot()
+    assert rb.host.is_unique
+    assert set(rb.host) == {urlsplit(u).netloc for u in docs.url}
+    assert rb.fetched_at.str.startswith("2025-01-").all()
+
+
+def test_robots_snapshot_covers_the_cases_the_robots_stage_must_handle():
+    rb = C.load_robots_snapshot().set_index("profile")
+    bodies = rb.body.map(lambda b: b.decode("utf-8", "replace"))
+    for agent in C.AI_AGENTS:  # each AI agent blocked alone on some host, and all of them on another
+        alone = [b for b in bodies if re.search(rf"User-agent: {re.escape(agent)}\r?\nDisallow: /\r?\n", b)
+                 and not any(a in b for a in C.AI_AGENTS if a != agent and a not in agent)]
+        assert alone, agent
+        assert f"User-agent: {agent}\n" in bodies["block-all-ai"]
+    statuses = set(rb.http_status.dropna().astype(int))
+    assert {401, 403, 404, 410, 500, 503, 200, 301} <= statuses
+    assert rb.http_status.isna().sum() == 2 and (rb.fetch_error != "").sum() == 3
+    assert len(rb.loc["redirect-loop"].redirects) == 5 and rb.loc["redirect-www"].final_url.startswith("https://www.")
+    huge = rb.loc["huge-late-gptbot"].body
+    assert len(huge) > C.RFC_PARSE_LIMIT and huge.index(b"User-agent: GPTBot") > C.RFC_PARSE_LIMIT
+    assert rb.loc["binary-gzip"].body[:2] == b"\x1f\x8b"
+    assert rb.loc["bom-crlf"].body.startswith("\ufeff".encode()) and b"\r\n" in rb.loc["bom-crlf"].body
+    assert "User-agent: CCBot/2.0" in bodies["ccbot-2.0-group"] and "/*_*.html$" in bodies["redirect-cross-host"]
+
+
+def test_blocked_share_under_the_apertus_policy_is_between_5_and_15_percent(docs):
+    from protego import Protego
+    rb = C.load_robots_snapshot()
+    ok = rb.http_status.between(200, 299).fillna(False) & (rb.fetch_error == "")
+    parsers = {h: Protego.parse(b.decode("utf-8", "replace")) for h, b in zip(rb.host[ok], rb.body[ok])}
+    agents = [*C.AI_AGENTS, "CCBot/2.0", "CCBot/1.0", "*"]
+
+    def blocked(url):
+        p = parsers.get(urlsplit(url).netloc)  # 4xx, 5xx, errors: usable (Apertus)
+        return p is not None and any(not p.can_fetch(url, a) for a in agents)
+
+    share = docs.url.map(blocked).mean()
+    assert 0.05 <= share <= 0.15
+
+
+# --- provenance ----------------------------------------------------------------------------------------------
+
+def test_provenance_records_the_sha256_of_every_output():
+    text = (C.data_dir() / "PROVENANCE.md").read_text()
+    for rel in C.CORPUS_FILES.values():
+        digest = hashlib.sha256((C.data_dir() / rel).read_bytes()).hexdigest()
+        assert re.search(rf"`{re.escape(rel)}` \|.*`{digest}`", text), rel
+    for src in C.SOURCES.values():
+        assert src.sha256 in text
+
+
+# --- loaders and their errors --------------------------------------------------------------------------------
+
+def test_load_embedded_filters_languages():
+    ds = C.load_embedded("validation", languages=["roh", "deu"])
+    assert set(ds["language"]) == {"roh", "deu"}
+
+
+def test_loaders_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        C.load_embedded("test")
+    with pytest.raises(FileNotFoundError, match="make data"):
+        C.load_udhr(root=tmp_path)
+    bad = tmp_path / C.CORPUS_FILES["train"]
+    bad.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["x"], "id": ["1"]}), bad)
+    with pytest.raises(ValueError, match="missing column.*dump"):
+        C.load_embedded("train", root=tmp_path)
+    bad.write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="not a readable Parquet"):
+        C.load_embedded("train", root=tmp_path)
+
+
+@pytest.fixture
+def fineweb_dir(tmp_path, docs):
+    sample = docs[docs.language.isin(["deu", "roh", "eng"])].groupby("language").head(4)
+    table = pa.Table.from_pandas(sample[list(C.DOC_COLUMNS)].assign(file_path="s3://x/y.warc.gz"),
+                                 preserve_index=False)
+    folder = tmp_path / "fineweb2"
+    folder.mkdir()
+    pq.write_table(table.slice(0, 6), folder / "000_00000.parquet")
+    pq.write_table(table.slice(6), folder / "000_00001.parquet")
+    return folder
+
+
+def test_load_fineweb_reads_local_parquet_and_selects_languages(fineweb_dir, tmp_path):
+    ds = C.load_fineweb(fineweb_dir, cache_dir=str(tmp_path / "hf"))
+    assert len(ds) == 12 and set(C.FINEWEB_COLUMNS) <= set(ds.column_names)
+    only = C.load_fineweb(fineweb_dir, languages=["deu_Latn", "roh"], cache_dir=str(tmp_path / "hf"))
+    assert sorted(set(only["language"])) == ["deu", "roh"] and len(only) == 8
+    streamed = C.load_fineweb(fineweb_dir, languages=["eng"], streaming=True)
+    assert [r["language"] for r in streamed] == ["eng"] * 4
+
+
+def test_load_fineweb_rejects_foreign_files_and_names(tmp_path):
+    pq.write_table(pa.table({"text": ["a"], "url": ["u"]}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="missing column.*id"):
+        C.load_fineweb(tmp_path / "x.parquet", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="HuggingFaceFW/fineweb-2"):
+        C.load_fineweb("HuggingFaceFW/finewebb")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .parquet"):
+        C.load_fineweb(tmp_path / "empty")
+
+
+# --- build steps -------------------------------------------------------------------------------------------
+
+def test_a_build_step_writes_identical_bytes_twice(tmp_path):
+    raw = [C.RawDoc("fortunes-de", f"zitate#{i}", "deu", "fortunes", f"/sprueche/zitate/{i}",
+                    f"Eile mit Weile, sagt der Volksmund, und Nummer {i} weiß es auch. " * 5) for i in range(20)]
+    rows_a, rows_b = (C.document_rows(raw, {"de": "deu", "en": "eng"}) for _ in range(2))
+    assert rows_a == rows_b and all(r["lid_language"] == "deu" for r in rows_a)
+    a = C.write_parquet(rows_a, C.DOC_SCHEMA, tmp_path / "a.parquet")
+    b = C.write_parquet(rows_b, C.DOC_SCHEMA, tmp_path / "b.parquet")
+    assert a.read_bytes() == b.read_bytes()
+    snap = [C.robots_snapshot(["https://www.sprueche-kiste.de", "http://www.oneliners.co.uk"]) for _ in range(2)]
+    assert snap[0] == snap[1] and snap[0][0]["fetch_error"] == "too many redirects (more than 5)"
+
+
+def test_fortune_reader_pages_entries_and_decodes_rot13(tmp_path):
+    folder = tmp_path / "usr/share/games/fortunes/es/off"
+    folder.mkdir(parents=True)
+    entries = [f"Ry ahzreb {i} rf ha ahzreb dhr abf qvpr zhl cbpb fboer ry zhaqb ragreb." for i in range(10)]
+    (folder / "varios.fortunes").write_text("\n%\n".join(entries) + "\n%\n")
+    docs = C.read_fortunes(tmp_path, "fortunes-es")
+    assert [d.path for d in docs] == ["/frases/off/varios/1", "/frases/off/varios/2"]
+    assert docs[0].text.startswith("El numero 0 es un numero que nos dice muy poco sobre el mundo entero.")
+    assert docs[0].text.count("\n\n") == C.FORTUNES_PER_PAGE - 1
