@@ -39,7 +39,7 @@ def ssd_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Ten
         ys.append(y)
     return torch.stack(ys, 1), state
 
-# %% ../../../nbs/07_a_mamba2.ipynb #0111bfef
+# %% ../../../nbs/07_a_mamba2.ipynb #ead3ca02
 def segsum(a: Tensor) -> Tensor:
     "(..., Q) → (..., Q, Q): entry [l, s] = a[s+1] + … + a[l] for l ≥ s, −inf above the diagonal."
     Q = a.shape[-1]
@@ -49,15 +49,19 @@ def segsum(a: Tensor) -> Tensor:
     return out.masked_fill(~ones.tril(), -torch.inf)
 
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk_size: int,
-                state: Tensor | None = None):
-    "Chunked SSD in pure PyTorch, equal to `ssd_recurrent`; same arguments, fp32 inside."
+                state: Tensor | None = None, reset: Tensor | None = None):
+    "Chunked SSD in pure PyTorch, equal to `ssd_recurrent`; fp32 inside (fp64 for fp64 inputs)."
     b, L, h, p = x.shape
     g, n = B.shape[-2:]
     r, Q = h // g, chunk_size
+    f = torch.promote_types(x.dtype, torch.float32)
     pad = -L % Q
-    xdt = F.pad(x.float() * dt.float()[..., None], (0, 0, 0, 0, 0, pad))      # Δ·x, (b,T,h,p)
-    a = F.pad(dt.float() * A.float(), (0, 0, 0, pad))                          # Δ·A, (b,T,h)
-    B, C = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)) for t in (B, C))            # (b,T,g,n)
+    a = dt.to(f) * A.to(f)                                                      # Δ·A, (b,L,h)
+    if reset is not None:                                                       # a new document: forget the state
+        a = a.masked_fill(reset[..., None], -torch.inf)
+    a = F.pad(a, (0, 0, 0, pad))                                                # (b,T,h)
+    xdt = F.pad(x.to(f) * dt.to(f)[..., None], (0, 0, 0, 0, 0, pad))            # Δ·x, (b,T,h,p)
+    B, C = (F.pad(t.to(f), (0, 0, 0, 0, 0, pad)) for t in (B, C))              # (b,T,g,n)
     c = xdt.shape[1] // Q
     xdt, B, C = xdt.view(b, c, Q, g, r, p), B.view(b, c, Q, g, n), C.view(b, c, Q, g, n)
     a = a.view(b, c, Q, g, r).permute(0, 1, 3, 4, 2)                            # (b,c,g,r,Q)
@@ -69,7 +73,7 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     states = torch.einsum("bclgn,bclgrp->bcgrpn", B, xdt * decay[..., -1, :].permute(0, 1, 4, 2, 3)[..., None])
     # 3. carry states across chunk boundaries: a scan over the c chunks
     chunk_decay = torch.exp(a.sum(-1))[..., None, None]                         # (b,c,g,r,1,1)
-    h_ = x.new_zeros(b, g, r, p, n, dtype=torch.float32) if state is None else state.float().view(b, g, r, p, n)
+    h_ = x.new_zeros(b, g, r, p, n, dtype=f) if state is None else state.to(f).view(b, g, r, p, n)
     starts = []
     for i in range(c):
         starts.append(h_)
@@ -78,16 +82,18 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     # 4. what each chunk's start state contributes at every position, decayed from the chunk's start
     into = torch.exp(a.cumsum(-1))                                              # (b,c,g,r,Q)
     y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, starts) * into.permute(0, 1, 4, 2, 3)[..., None]
-    y = y.reshape(b, c * Q, h, p)[:, :L] + D.float()[:, None] * x.float()
+    y = y.reshape(b, c * Q, h, p)[:, :L] + D.to(f)[:, None] * x.to(f)
     return y, h_.view(b, h, p, n)
 
 def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk_size: int,
-        state: Tensor | None = None):
-    "SSD through `mamba-ssm`'s fused kernel on CUDA when it is installed, else `ssd_chunked`."
+        state: Tensor | None = None, segments: Tensor | None = None):
+    "SSD through `mamba-ssm`'s fused kernel on CUDA when installed, else `ssd_chunked`; `segments` (b,L) restart it."
     if mamba_chunk_scan_combined is not None and x.is_cuda:
-        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=state,
+        seq_idx = None if segments is None else segments.to(torch.int32).contiguous()
+        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, initial_states=state, seq_idx=seq_idx,
                                          return_final_states=True)
-    return ssd_chunked(x, dt, A, B, C, D, chunk_size, state)
+    reset = None if segments is None else F.pad(segments.diff(dim=1) != 0, (1, 0))
+    return ssd_chunked(x, dt, A, B, C, D, chunk_size, state, reset)
 
 # %% ../../../nbs/07_a_mamba2.ipynb #500cdce1
 class GatedRMSNorm(nn.Module):
@@ -108,7 +114,7 @@ class MambaState:
     conv: Tensor  # (b, conv_dim, d_conv-1): the last inputs of the causal convolution
     ssm: Tensor   # (b, heads, head_dim, d_state), fp32: the SSM state h_t
 
-# %% ../../../nbs/07_a_mamba2.ipynb #899ea9f1
+# %% ../../../nbs/07_a_mamba2.ipynb #c53ba8f1
 class Mamba2Mixer(nn.Module):
     "Mamba-2 mixer: in_proj → causal conv + SiLU → SSD → gated group RMSNorm → out_proj."
     def __init__(self, d_model: int, n_heads: int, head_dim: int, n_groups: int, d_state: int, d_conv: int,
@@ -134,12 +140,14 @@ class Mamba2Mixer(nn.Module):
                           ssm=torch.zeros(batch, self.n_heads, self.head_dim, self.d_state,
                                           device=device or w.device, dtype=torch.float32))
 
-    def forward(self, u: Tensor, state: MambaState | None = None) -> Tensor:
-        "u (b, L, d_model) → (b, L, d_model); advances `state` in place when given."
+    def forward(self, u: Tensor, state: MambaState | None = None, segments: Tensor | None = None) -> Tensor:
+        "u (b, L, d_model) → (b, L, d_model); advances `state` in place; `segments` (b, L) separate packed documents."
         b, L, _ = u.shape
         h, p, g, n = self.n_heads, self.head_dim, self.n_groups, self.d_state
+        if state is not None and segments is not None:
+            raise ValueError("packed documents (segments) cannot be combined with a decoding state")
         z, xBC, dt = self.in_proj(u).split([self.inner, self.conv_dim, h], -1)
-        xBC = F.silu(self._conv(xBC, state))                                    # (b, L, conv_dim)
+        xBC = F.silu(self._conv(xBC, state, segments))                          # (b, L, conv_dim)
         x, B, C = xBC.split([self.inner, g * n, g * n], -1)
         dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min)               # (b, L, h)
         A = -torch.exp(self.A_log.float())                                      # (h,)
@@ -149,18 +157,23 @@ class Mamba2Mixer(nn.Module):
                                     C[:, 0].float(), self.D.float())
             y = y[:, None]
         else:
-            y, last = ssd(x, dt, A, B, C, self.D, self.chunk_size, None if state is None else state.ssm)
+            y, last = ssd(x, dt, A, B, C, self.D, self.chunk_size, None if state is None else state.ssm, segments)
             if state is not None:
                 state.ssm = last.float()
         y = self.norm(y.reshape(b, L, self.inner).to(u.dtype), z)
         return self.out_proj(y)
 
-    def _conv(self, xBC: Tensor, state: MambaState | None) -> Tensor:
-        "Depthwise causal convolution over time; the left context is the state's last inputs (zeros at the start)."
+    def _conv(self, xBC: Tensor, state: MambaState | None, segments: Tensor | None = None) -> Tensor:
+        "Depthwise causal convolution over time; left context = the state's last inputs (zeros at the start)."
         xBC = xBC.transpose(1, 2)                                               # (b, conv_dim, L)
-        k = self.conv1d.weight.shape[-1]
+        w, k = self.conv1d.weight, self.conv1d.weight.shape[-1]
         left = xBC.new_zeros(*xBC.shape[:2], k - 1) if state is None else state.conv.to(xBC.dtype)
-        xBC = torch.cat([left, xBC], -1)
+        xBC = torch.cat([left, xBC], -1)                                        # (b, conv_dim, k-1+L)
         if state is not None:
             state.conv = xBC[..., -(k - 1):].detach().clone()
-        return F.conv1d(xBC, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
+        if segments is None:
+            return F.conv1d(xBC, w, self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
+        windows = xBC.unfold(-1, k, 1)                                          # (b, conv_dim, L, k)
+        same_doc = F.pad(segments, (k - 1, 0), value=-1).unfold(-1, k, 1) == segments[..., None]  # (b, L, k)
+        out = (windows * same_doc[:, None] * w[:, 0, None, :]).sum(-1) + self.conv1d.bias[:, None]
+        return out.transpose(1, 2)
