@@ -122,7 +122,7 @@ class KVCache:
         "Mark `n` more tokens as consumed (called once per model forward, after every layer updated)."
         self.pos += n
 
-# %% ../../../nbs/06_common.ipynb #62e025fb
+# %% ../../../nbs/06_common.ipynb #0cd413a7
 class Attention(nn.Module):
     "Bias-free GQA self-attention with optional QK-norm and RoPE, document masks and a KV cache."
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
@@ -151,8 +151,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)                    # (B, Hkv, pos + T, hd)
+        gqa = self.n_heads != self.n_kv_heads
+        if gqa and mask.mask is not None:  # SDPA's masked CUDA kernel has no GQA: share the heads by expansion
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, is_causal=mask.is_causal,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)  # (B, H, T, hd)
+                                           enable_gqa=gqa and mask.mask is None)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 # %% ../../../nbs/06_common.ipynb #de35c033
