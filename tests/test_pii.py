@@ -136,6 +136,20 @@ def test_ipv6_forms_are_found(address):
     assert found(f"host {address} is up", public_ips_only=False) == [(address, "ip")]
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["1", "a", "f", ":", "::", " ", ".", "0", "g", "[", "db8", "2001", "x"]),
+                max_size=30).map("".join))
+def test_ipv6_colon_pair_scan_equals_a_scan_from_every_position(text):
+    from openpretrain.compliance import pii
+    fast = list(pii._ipv6_spans(text, False))
+    jump = pii._ipv6_candidates
+    pii._ipv6_candidates = pii._IPV6_CANDIDATE.finditer  # the plain scan the colon-pair jump replaces
+    try:
+        assert fast == list(pii._ipv6_spans(text, False))
+    finally:
+        pii._ipv6_candidates = jump
+
+
 @pytest.mark.parametrize("text", ["at 12:30:45", "12:30:45.250", "mac 00:1a:2b:3c:4d:5e", "std::vector<int>",
                                   "dead::beef", "ratio 16:9:4", "Gen 1:1:2"])
 def test_times_macs_and_scopes_are_not_ipv6(text):

@@ -115,7 +115,7 @@ def _keeps_ip(address: str, public_only: bool) -> bool:
         return False
     return not public_only or (ip.is_global and not ip.is_multicast)
 
-# %% ../../../nbs/03_pii.ipynb #85ba64a8
+# %% ../../../nbs/03_pii.ipynb #b5ff38e2
 _IPV6_CANDIDATE = re.compile(
     r"(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9]{1,3}(?:\.[0-9]{1,3}){3}|[0-9A-Fa-f]{1,4})?")
 _IPV6_ANCHOR = re.compile(r":[0-9A-Fa-f]{0,4}:")
@@ -123,11 +123,11 @@ _HEX_OR_COLON = frozenset(string.hexdigits + ":")
 _BEFORE_IPV6 = frozenset(string.ascii_letters + string.digits + "_.:")
 
 def _ipv6_candidates(text: str) -> Iterator[re.Match]:
-    "Candidate matches, each started at the left end (≤ 39 characters back) of the run around a colon pair."
+    "Candidate matches, each started where the hex-and-colon run around a colon pair starts (or the scan stood)."
     pos = 0
     while anchor := _IPV6_ANCHOR.search(text, pos):
         start = anchor.start()
-        while start and text[start - 1] in _HEX_OR_COLON and anchor.start() - start < 39:
+        while start > pos and text[start - 1] in _HEX_OR_COLON:  # every character is stepped over at most once
             start -= 1
         m = _IPV6_CANDIDATE.match(text, start)
         pos = max(m.end(), anchor.start() + 1) if m else anchor.start() + 1
