@@ -279,7 +279,7 @@ def _replace_all(pieces, value: str, kind: str, spans: list[Span]) -> list:
                 offset += len(value)
     return out
 
-# %% ../../../nbs/03_pii.ipynb #bfe6d4e4
+# %% ../../../nbs/03_pii.ipynb #e2430826
 class PIIAnonymizer(PipelineStep):
     "datatrove step: replace PII with markers, record counts per kind in `doc.metadata`; never drops a document."
     name = "🕵 PII anonymizer"
@@ -310,7 +310,7 @@ class PIIAnonymizer(PipelineStep):
                 doc = self.anonymize_doc(doc)
             yield doc
 
-# %% ../../../nbs/03_pii.ipynb #2102289a
+# %% ../../../nbs/03_pii.ipynb #14a56ac0
 BBAN_FORMATS = {  # SWIFT IBAN registry BBAN structures (n digits, a upper-case letters, c alphanumerics)
     "AT": "5!n11!n", "BE": "3!n7!n2!n", "CH": "5!n12!c", "DE": "8!n10!n", "ES": "4!n4!n1!n1!n10!n",
     "FR": "5!n5!n11!c2!n", "GB": "4!a6!n8!n", "IT": "1!a5!n5!n12!c", "LI": "5!n12!c", "LU": "3!n13!c",
@@ -335,7 +335,7 @@ def change_one_digit(iban: str, rng: random.Random) -> str:
     pos = rng.choice([i for i, c in enumerate(iban) if i >= 4 and c.isdigit()])
     return iban[:pos] + rng.choice([d for d in string.digits if d != iban[pos]]) + iban[pos + 1:]
 
-# %% ../../../nbs/03_pii.ipynb #ac0aadd3
+# %% ../../../nbs/03_pii.ipynb #d3aa0d3b
 _CONTEXTS = {
     "email": {"en": ["Mail me at {}.", "Contact: {}", "Questions go to <{}>, thanks"],
               "de": ["Schreiben Sie an {} für Details.", "Kontakt ({})"],
@@ -415,7 +415,7 @@ def build_testset(seed: int = 0) -> list[dict]:
                       "spans": spans})
     return items
 
-# %% ../../../nbs/03_pii.ipynb #33145e7c
+# %% ../../../nbs/03_pii.ipynb #b36e8d8f
 def testset_path() -> Path:
     "The committed labelled test set."
     return data_dir() / "pii" / "testset.jsonl"
@@ -431,7 +431,7 @@ def load_testset(path: str | Path | None = None) -> list[dict]:
     "The labelled test set as a list of items."
     return [json.loads(line) for line in Path(path or testset_path()).read_text().splitlines() if line]
 
-# %% ../../../nbs/03_pii.ipynb #e0ad1a8a
+# %% ../../../nbs/03_pii.ipynb #3ce4ff2f
 def gold_spans(item: dict, *, mode: str = "ours", public_ips_only: bool = True) -> list[Span]:
     "The labelled spans a setting should replace (ours keeps non-public IPs when `public_ips_only`)."
     keeps_private = mode == "ours" and public_ips_only
@@ -452,7 +452,7 @@ def precision_recall(items: list[dict], *, mode: str = "ours", public_ips_only: 
         rows.append({"kind": kind, **t, "precision": precision, "recall": recall})
     return rows
 
-# %% ../../../nbs/03_pii.ipynb #7a65821b
+# %% ../../../nbs/03_pii.ipynb #ab40726b
 def in_context(text: str, spans: Iterable[Span], at: Span, width: int = 40) -> str:
     "The text around `at`, `width` characters either side, with every span in view replaced by its marker."
     lo, hi = max(0, at.start - width), min(len(text), at.end + width)
