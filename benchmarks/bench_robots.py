@@ -28,7 +28,7 @@ def decide_all(oracle: RobotsOracle, urls: list[str], cold: bool) -> float:
 
 
 def main(reps: int = 7, docs: int = 2000, mode: str = "url"):
-    urls = load_embedded()["url"].tolist()[:docs]
+    urls = list(load_embedded("train")["url"])[:docs]
     oracle = RobotsOracle(load_robots_snapshot(), RobotsConfig(mode=mode))
     times = {"warm": [], "cold": []}
     for rep in range(reps + 1):  # rep 0 is the warm-up
