@@ -251,3 +251,30 @@ def test_bf16_forward_runs_and_stays_close_to_fp32(model):
         diff = (half(ids).float() - model(ids)).abs().max().item()
     assert diff < 0.1 * model(ids).abs().max().item()
     assert math.isfinite(diff)
+
+
+def test_sampling_leaves_the_global_rng_alone(model):
+    prompt = torch.randint(0, 300, (1, 3))
+    torch.manual_seed(5)
+    generate(model, prompt, 4, temperature=1.0)  # unseeded: draws from its own generator only
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(3), after)
+
+
+def test_packed_documents_with_a_filled_cache_are_refused(model):
+    cache = model.init_cache(1, 16)
+    with torch.no_grad():
+        model(torch.randint(0, 300, (1, 4)), cache=cache)
+        with pytest.raises(ValueError, match="KV cache"):
+            model(torch.randint(0, 300, (1, 4)), doc_ids=torch.tensor([[0, 0, 1, 1]]), cache=cache)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_equal_the_eager_model():
+    torch.manual_seed(0)
+    eager = build(small())
+    fused = build(small(), compile=True)
+    fused.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 300, (2, 32))
+    torch.testing.assert_close(fused(ids), eager(ids), atol=1e-5, rtol=1e-5)

@@ -63,7 +63,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-# %% ../../../nbs/06_common.ipynb #f16c0906
+# %% ../../../nbs/06_common.ipynb #e8a1b5b8
 @dataclass
 class AttnMask:
     "What SDPA needs: an explicit boolean mask (True = may attend), or none plus the causal flag."
@@ -86,10 +86,10 @@ def document_positions(doc_ids: Tensor) -> Tensor:
 
 def attention_mask(doc_ids: Tensor | None, q_len: int, offset: int = 0, device=None) -> AttnMask:
     "Causal mask for `q_len` new tokens after `offset` cached ones; block-diagonal over documents given `doc_ids`."
-    if doc_ids is not None and document_segments(doc_ids)[:, -1].any():
+    seg = document_segments(doc_ids) if doc_ids is not None else None                  # (B, T)
+    if seg is not None and seg[:, -1].any():  # some row holds more than one document
         if offset:
             raise ValueError("packed documents (doc_ids) cannot be combined with a non-empty KV cache")
-        seg = document_segments(doc_ids)                                                # (B, T)
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
         return AttnMask(((seg[:, :, None] == seg[:, None, :]) & causal)[:, None], False)   # (B, 1, T, T)
     if offset == 0:
@@ -158,16 +158,21 @@ class Attention(nn.Module):
                                            enable_gqa=gqa and mask.mask is None)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-# %% ../../../nbs/06_common.ipynb #de35c033
+# %% ../../../nbs/06_common.ipynb #cea15aba
 @torch.no_grad()
 def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
-    "Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens); rows that emit eos_id keep emitting it."
+    """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
+
+    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
     B, T0 = prompt_ids.shape
     param = next(model.parameters())
     cache = model.init_cache(B, T0 + max_new_tokens, param.device, param.dtype)
-    gen = torch.Generator(device=prompt_ids.device)
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    gen = torch.Generator(device=prompt_ids.device)  # private: sampling never touches the global RNG
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
     out, done = [prompt_ids], torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     logits = model(prompt_ids, cache=cache)[:, -1]  # (B, V)
     for step in range(max_new_tokens):

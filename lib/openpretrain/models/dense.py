@@ -192,7 +192,7 @@ def build(config: DenseConfig, device: str | torch.device = "cpu", dtype: torch.
             block.compile()
     return model
 
-# %% ../../../nbs/06_dense.ipynb #11bc9bd3
+# %% ../../../nbs/06_dense.ipynb #5e55d339
 def hf_config(config: DenseConfig, **overrides):
     "The transformers `ApertusConfig` of a DenseConfig (xIELU + QK-norm only); `overrides` go to ApertusConfig."
     from transformers import ApertusConfig
@@ -237,7 +237,7 @@ def to_hf(model: DenseLM):
     return hf
 
 def from_hf(hf_model) -> DenseLM:
-    "A DenseLM holding a copy of an `ApertusForCausalLM`'s weights."
+    "A DenseLM over an `ApertusForCausalLM`'s weight tensors (shared, not copied: loading a checkpoint costs no extra memory)."
     hf_state = hf_model.state_dict()
     for key in (k for k in hf_state if k.endswith("act_fn.beta") or k.endswith("act_fn.eps")):
         expected = 0.5 if key.endswith("beta") else -1e-6
