@@ -159,6 +159,22 @@ def test_save_pretrained_loads_with_automodel_and_round_trips_exactly(model, tmp
         assert torch.equal(a, b), name
 
 
+def test_bf16_round_trip_through_transformers_is_exact(model):
+    half = build(small(), dtype=torch.bfloat16)
+    half.load_state_dict({k: v.bfloat16() for k, v in model.state_dict().items()})
+    back = from_hf(to_hf(half))
+    for (name, a), (_, b) in zip(half.state_dict().items(), back.state_dict().items()):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
+def test_checkpoint_with_other_xielu_constants_is_refused(model):
+    hf = to_hf(model)
+    with torch.no_grad():
+        hf.model.layers[0].mlp.act_fn.beta.fill_(0.25)
+    with pytest.raises(ValueError, match="beta"):
+        from_hf(hf)
+
+
 def test_variants_without_a_transformers_counterpart_are_refused():
     with pytest.raises(ValueError, match="Apertus variant"):
         hf_config(small(activation="swiglu"))

@@ -192,7 +192,7 @@ def build(config: DenseConfig, device: str | torch.device = "cpu", dtype: torch.
             block.compile()
     return model
 
-# %% ../../../nbs/06_dense.ipynb #5e55d339
+# %% ../../../nbs/06_dense.ipynb #1b052213
 def hf_config(config: DenseConfig, **overrides):
     "The transformers `ApertusConfig` of a DenseConfig (xIELU + QK-norm only); `overrides` go to ApertusConfig."
     from transformers import ApertusConfig
@@ -239,10 +239,10 @@ def to_hf(model: DenseLM):
 def from_hf(hf_model) -> DenseLM:
     "A DenseLM over an `ApertusForCausalLM`'s weight tensors (shared, not copied: loading a checkpoint costs no extra memory)."
     hf_state = hf_model.state_dict()
-    for key in (k for k in hf_state if k.endswith("act_fn.beta") or k.endswith("act_fn.eps")):
-        expected = 0.5 if key.endswith("beta") else -1e-6
-        if abs(hf_state[key].item() - expected) > 1e-9:
-            raise ValueError(f"{key} = {hf_state[key].item()}, DenseLM fixes it at {expected}")
+    for key in (k for k in hf_state if k.endswith(("act_fn.beta", "act_fn.eps"))):
+        expected = torch.tensor(0.5 if key.endswith("beta") else -1e-6, dtype=hf_state[key].dtype)
+        if not torch.equal(hf_state[key].cpu(), expected):  # compared in the buffer's own dtype (bf16 rounds ε)
+            raise ValueError(f"{key} = {hf_state[key].item()}, DenseLM fixes it at {expected.item()}")
     p = hf_model.lm_head.weight
     model = build(config_from_hf(hf_model.config), device="meta", dtype=p.dtype)
     ours = {k: hf_state[_hf_name(k)] for k in model.state_dict()}
