@@ -288,20 +288,22 @@ def test_every_document_is_kept_or_removed_exactly_once(urls, mode, scope, polic
     assert all(d.metadata["robots_agents"] or d.metadata["robots_reason"] in ("unavailable", "unreachable") for d in removed)
 
 
-def test_pipeline_with_exclusion_writer_conserves_documents(tmp_path):
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_pipeline_with_exclusion_writer_conserves_documents(tmp_path, fmt):
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.pipeline.writers import JsonlWriter, ParquetWriter
+    writer = {"jsonl": JsonlWriter, "parquet": ParquetWriter}[fmt]
     urls = ["https://part.com/private/1", "https://part.com/x", "https://root.com/x", "https://open.com/", "", "http://[::1/"]
     src = tmp_path / "in"
     with JsonlWriter(str(src)) as w:
         for i, u in enumerate(urls):
             w.write(Document(f"t{i}", f"d{i}", metadata={"url": u, "source": "fw", "language": "en", "token_count": i + 1}))
     LocalPipelineExecutor([JsonlReader(str(src)),
-                           RobotsFilter(SNAP, exclusion_writer=JsonlWriter(str(tmp_path / "removed"))),
-                           JsonlWriter(str(tmp_path / "kept"))],
+                           RobotsFilter(SNAP, exclusion_writer=writer(str(tmp_path / "removed"))),
+                           writer(str(tmp_path / "kept"))],
                           tasks=1, logging_dir=str(tmp_path / "logs")).run()
-    ledger = Ledger.from_folders(tmp_path / "kept", tmp_path / "removed")
+    ledger = Ledger.from_folders(tmp_path / "kept", tmp_path / "removed", fmt=fmt)
     ledger.check_conservation([f"d{i}" for i in range(len(urls))])
     out = ledger.manifest("robots").set_index("id")
     assert out.loc["d0", "robots_decision"] == "removed" and list(out.loc["d0", "robots_agents"]) == ["GPTBot"]
@@ -508,7 +510,9 @@ def test_fetcher_outcomes(servers, fetched):
 
 
 def test_fetched_snapshot_drives_the_filter(servers, fetched, tmp_path):
-    snap = read_snapshot(write_snapshot(fetched[0].reset_index(), tmp_path / "robots.parquet"))
+    path = write_snapshot(fetched[0].reset_index(), tmp_path)
+    assert path.name == f"robots-{time.strftime('%Y-%m', time.gmtime())}.parquet"
+    snap = read_snapshot(path)
     decide = {k: RobotsOracle(snap, RobotsConfig(policy="rfc9309")).decide(f"http://{h}/chained/1") for k, h in servers.items()}
     assert not decide["ok"].kept and decide["ok"].agents == ("GPTBot",)
     assert decide["missing"].kept and not decide["error"].kept and not decide["slow"].kept

@@ -297,7 +297,7 @@ def _safe_host_key(url) -> str | None:
     except ValueError:
         return None
 
-# %% ../../../nbs/02_robots.ipynb #e477d95e
+# %% ../../../nbs/02_robots.ipynb #979bd666
 TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})  # statuses worth retrying (0 = network error or timeout)
 SNAPSHOT_COLUMNS = ("host", "url", "redirects", "final_url", "http_status", "content_type", "body", "fetched_at",
                     "fetch_error")  # the embedded snapshot's format (chapter 01)
@@ -410,8 +410,10 @@ class _Fetcher:
             return r.status_code, r.headers.get("location"), r.headers.get("content-type", ""), bytes(body[: self.max_bytes])
 
 def write_snapshot(snapshot: pd.DataFrame, path: str | Path) -> Path:
-    "Store a snapshot frame as Parquet (bodies as bytes)."
+    "Store a snapshot as Parquet; given a folder, as `robots-<YYYY-MM of the latest fetch>.parquet` in it."
     path = Path(path)
+    if path.suffix != ".parquet":
+        path = path / f"robots-{_snapshot_date(snapshot)[:7]}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     snapshot.to_parquet(path, index=False)
     return path
