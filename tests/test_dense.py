@@ -181,13 +181,19 @@ def test_variants_without_a_transformers_counterpart_are_refused():
 
 
 # --- masking, caching and decoding ----------------------------------------------------------------------------------
-def test_packed_row_equals_documents_run_separately(model):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_row_equals_documents_run_separately(model, device):
     torch.manual_seed(2)
-    docs = [torch.randint(0, 300, (n,)) for n in (7, 12, 5)]
-    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    model = model.to(device)
+    docs = [torch.randint(0, 300, (n,), device=device) for n in (7, 12, 5)]
+    doc_ids = torch.cat([torch.full((len(d),), i, device=device) for i, d in enumerate(docs)])[None]
     with torch.no_grad():
         packed = model(torch.cat(docs)[None], doc_ids=doc_ids)[0]
         alone = torch.cat([model(d[None])[0] for d in docs])
+    model.cpu()
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -207,13 +213,16 @@ def test_document_positions_restart_at_each_boundary(lengths):
     assert document_positions(doc_ids)[0].tolist() == expected
 
 
-def test_cached_decoding_equals_full_recomputation(model):
-    ids = torch.randint(0, 300, (2, 20))
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_decoding_equals_full_recomputation(model, device):
+    model = model.to(device)
+    ids = torch.randint(0, 300, (2, 20), device=device)
     cache = model.init_cache(2, 20)
     with torch.no_grad():
         full = model(ids)
         steps = [model(ids[:, :8], cache=cache), model(ids[:, 8:13], cache=cache)]
         steps += [model(ids[:, t:t + 1], cache=cache) for t in range(13, 20)]
+    model.cpu()
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.pos == 20
 
@@ -241,10 +250,13 @@ def test_greedy_generate_equals_argmax_of_full_recomputation(model):
     assert torch.equal(out, seq)
 
 
-def test_nucleus_sampling_is_seeded_and_stays_in_the_nucleus(model):
-    prompt = torch.randint(0, 300, (2, 4))
+@pytest.mark.parametrize("device", DEVICES)
+def test_nucleus_sampling_is_seeded_and_stays_in_the_nucleus(model, device):
+    model = model.to(device)
+    prompt = torch.randint(0, 300, (2, 4), device=device)
     a = generate(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3)
     assert torch.equal(a, generate(model, prompt, 10, temperature=1.0, top_p=0.9, seed=3))
+    model.cpu()
     logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]]))
     g = torch.Generator().manual_seed(0)
     draws = torch.stack([sample_next(logits, 1.0, 0.8, g) for _ in range(500)])
