@@ -300,3 +300,9 @@ def test_tokenizer_section_rejects_misspelled_keys():
 def test_tokenizer_section_rejects_unknown_cost():
     with pytest.raises(ConfigError, match="cost"):
         TokenizerConfig(cost="words")
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (tokenizer_cache_dir() / "xlm-r" / "tokenizer.json").is_file(), reason="xlm-r not cached")
+def test_cached_xlmr_conversion_gives_the_known_xlm_roberta_ids():
+    # XLM-RoBERTa's published tokenizer: "Hello world" -> <s> 35378 8999 </s>
+    assert load_tokenizer("xlm-r").encode("Hello world") == [35378, 8999]
