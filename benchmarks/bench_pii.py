@@ -20,7 +20,7 @@ from openpretrain.corpus import load_embedded
 
 def corpus_texts(mb: float) -> list[str]:
     "Documents of the embedded corpus, in a fixed shuffled order, up to `mb` megabytes of text."
-    frame = load_embedded().sample(frac=1.0, random_state=0)
+    frame = load_embedded("train").to_pandas().sample(frac=1.0, random_state=0)
     texts, size = [], 0
     for text in frame["text"]:
         if size >= mb * 1e6:
