@@ -9,6 +9,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from openpretrain import corpus as C
 
@@ -281,8 +283,6 @@ def test_fortune_reader_pages_entries_and_decodes_rot13(tmp_path):
 
 
 # --- invariants ----------------------------------------------------------------------------------------------
-
-from hypothesis import given, settings, strategies as st
 
 
 @settings(max_examples=200, deadline=None)
