@@ -32,7 +32,7 @@ def reference_metrics(encode, corpus, vocab_size: int) -> dict:
             used.add(i)
     return {"fertility": sum(tokens_of.values()) / sum(words_of.values()),
             "compression_ratio": sum(ratios) / len(ratios), "vocab_utilization": len(used) / vocab_size,
-            "gini_bytes": gini([tokens_of[l] / bytes_of[l] for l in tokens_of])}
+            "gini_bytes": gini([tokens_of[lang] / bytes_of[lang] for lang in tokens_of])}
 
 
 def main(reps: int = 5, languages: int = 70):

@@ -1,6 +1,5 @@
 """Tokenizer adapters, GGUF conversion, our BPEs and the Appendix-I fairness metrics (openpretrain.tokenization)."""
 import io
-import itertools
 import json
 import tarfile
 import unicodedata
@@ -9,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from openpretrain.core import ConfigError, list_presets, load_preset
