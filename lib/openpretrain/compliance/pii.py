@@ -337,7 +337,7 @@ def change_one_digit(iban: str, rng: random.Random) -> str:
     pos = rng.choice([i for i, c in enumerate(iban) if i >= 4 and c.isdigit()])
     return iban[:pos] + rng.choice([d for d in string.digits if d != iban[pos]]) + iban[pos + 1:]
 
-# %% ../../../nbs/03_pii.ipynb #c32646c0
+# %% ../../../nbs/03_pii.ipynb #e31bcd03
 _CONTEXTS = {
     "email": {"en": ["Mail me at {}.", "Contact: {}", "Questions go to <{}>, thanks"],
               "de": ["Schreiben Sie an {} für Details.", "Kontakt ({})"],
@@ -368,7 +368,7 @@ _NEGATIVES = {
     "version": ["v1.2.3.4", "1.2.3.4.5", "Python 3.11.4", "libfoo-2.0.1.3.tar.gz", "release 2.6.32-5-amd64"],
     "date/time": ["12.05.2023", "2023-05-12 12:30:45", "09:15:00", "12:30:45.250"],
     "number": ["1234567890123456789", "4111 1111 1111 1111", "+41 44 632 11 11", "ISBN 978-3-16-148410-0",
-               "DE 1234 5678 9012"],
+               "DE 1234 5678 9012", "15.000.000.000"],
     "ip-like": ["10.0.0.1234", "256.1.1.1", "999.12.1.1", "1.2.3", "00:1a:2b:3c:4d:5e", "std::vector<int>",
                 "16:9:4", "section 6.2.4.3"],
     "email-like": ["lodash@4.17.21", "logo@2x.png", "root@localhost", "a@b.c", "user@@example.com", "@swissai",
