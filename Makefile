@@ -51,6 +51,12 @@ data: venv
 	$(BIN)/python -c "from openpretrain.corpus import build_corpus; build_corpus()"
 	git status --short data/
 
+# Third-party vocabularies for chapter 05 (llama.cpp GGUF vocab files from the llama-cpp-python 0.3.36 sdist,
+# ~77 MB download), converted and checked against their test vectors into .cache/tokenizers (not redistributed).
+# Skipped when the cache is complete; Tekken, Qwen, cl100k and our BPEs work without it.
+tokenizers: venv
+	$(BIN)/python -c "from openpretrain.tokenization import fetch_tokenizers; print(fetch_tokenizers())"
+
 clean: export, clean and commit"; exit 1; }
 
 bench: venv
@@ -68,6 +74,12 @@ data: venv
 	apt-get update -qq
 	$(BIN)/python -c "from openpretrain.corpus import build_corpus; build_corpus()"
 	git status --short data/
+
+# Third-party vocabularies for chapter 05 (llama.cpp GGUF vocab files from the llama-cpp-python 0.3.36 sdist,
+# ~77 MB download), converted and checked against their test vectors into .cache/tokenizers (not redistributed).
+# Skipped when the cache is complete; Tekken, Qwen, cl100k and our BPEs work without it.
+tokenizers: venv
+	$(BIN)/python -c "from openpretrain.tokenization import fetch_tokenizers; print(fetch_tokenizers())"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
