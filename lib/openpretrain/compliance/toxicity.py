@@ -265,14 +265,15 @@ def train_head(x: np.ndarray, y: np.ndarray, cfg: ToxicityConfig) -> TrainedHead
     head.load_state_dict(best_state)
     return TrainedHead(head.eval(), history, best_epoch, len(tr), len(va))
 
-# %% ../../../nbs/04_toxicity.ipynb #f4847d6a
+# %% ../../../nbs/04_toxicity.ipynb #97aa56ad
 FALLBACKS = ("multilingual", "closest", "random")
 
 def fit_threshold(scores: np.ndarray, remove_share: float = 0.05) -> float:
-    "The score quantile above which `remove_share` of the documents lie."
+    "The score of the (k+1)-th highest document, k = round(remove_share·n): exactly k documents lie strictly above."
     if len(scores) == 0:
         raise ValueError("cannot fit a toxicity threshold on zero documents")
-    return float(np.quantile(np.asarray(scores, dtype=np.float64), 1.0 - remove_share, method="higher"))
+    k = min(int(round(remove_share * len(scores))), len(scores) - 1)
+    return float(np.sort(np.asarray(scores, dtype=np.float64))[len(scores) - 1 - k])
 
 def random_score(doc_id: str) -> float:
     "A uniform [0, 1) score from the document id (the public pipeline's random drop, reproducible across workers)."
