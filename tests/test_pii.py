@@ -259,7 +259,8 @@ def test_anonymize_never_crashes_and_counts_markers(text):
 
 @FAST
 @given(st.lists(st.one_of(st.text(max_size=80), st.binary(max_size=80), st.none(),
-                          st.sampled_from(["mail a@b.ch", "ip 8.8.8.8:80", "CH9300762011623852957"])), max_size=20))
+                          st.sampled_from(["mail a@b.ch", "ip 8.8.8.8:80", "CH9300762011623852957",
+                                           "lone surrogate \udcff a@b.ch", "\x00\ufeff8.8.8.8"])), max_size=20))
 def test_datatrove_step_keeps_every_document(texts):
     docs = [Document(text=t, id=str(i)) for i, t in enumerate(texts)]
     out = list(PIIAnonymizer().run(iter(docs)))

@@ -312,7 +312,7 @@ class PIIAnonymizer(PipelineStep):
                 doc = self.anonymize_doc(doc)
             yield doc
 
-# %% ../../../nbs/03_pii.ipynb #14a56ac0
+# %% ../../../nbs/03_pii.ipynb #54df8885
 BBAN_FORMATS = {  # SWIFT IBAN registry BBAN structures (n digits, a upper-case letters, c alphanumerics)
     "AT": "5!n11!n", "BE": "3!n7!n2!n", "CH": "5!n12!c", "DE": "8!n10!n", "ES": "4!n4!n1!n1!n10!n",
     "FR": "5!n5!n11!c2!n", "GB": "4!a6!n8!n", "IT": "1!a5!n5!n12!c", "LI": "5!n12!c", "LU": "3!n13!c",
@@ -333,8 +333,8 @@ def group_iban(iban: str) -> str:
     return " ".join(iban[i:i + 4] for i in range(0, len(iban), 4))
 
 def change_one_digit(iban: str, rng: random.Random) -> str:
-    "The same IBAN with one BBAN digit replaced by another digit (mod 97 always notices)."
-    pos = rng.choice([i for i, c in enumerate(iban) if i >= 4 and c.isdigit()])
+    "The same IBAN with one digit after the country code replaced by another digit (mod 97 always notices)."
+    pos = rng.choice([i for i, c in enumerate(iban) if i >= 2 and c.isdigit()])
     return iban[:pos] + rng.choice([d for d in string.digits if d != iban[pos]]) + iban[pos + 1:]
 
 # %% ../../../nbs/03_pii.ipynb #e31bcd03
