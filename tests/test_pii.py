@@ -152,6 +152,11 @@ def test_outline_numbers_at_line_start_are_not_addresses():
     assert found(text, public_ips_only=False) == [("127.0.0.1", "ip"), ("6.2.4.3", "ip")]  # mid-line: ambiguous
 
 
+def test_pii_glued_to_cjk_text_is_found():
+    text = "请联系anna@example.com获取，服务器地址为85.195.226.14。"
+    assert found(text) == [("anna@example.com", "email"), ("85.195.226.14", "ip")]
+
+
 # --- IPv6 and the public-IP policy ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("address", ["::1", "fe80::1ff:fe23:4567:890a", "2001:db8::", "2001:db8::8a2e:370:7334",
