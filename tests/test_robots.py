@@ -105,6 +105,25 @@ def test_user_agent_matching_protego_07_vs_06(group, agent, before, now):
     assert group_applied_before_07(group, agent) is before
 
 
+@pytest.mark.slow
+def test_comparison_rule_equals_real_protego_06(tmp_path):
+    "Install protego 0.6.2 into a temporary folder (network) and check `group_applied_before_07` against it."
+    import json
+    import subprocess
+    import sys
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path),
+                          "protego==0.6.2"], capture_output=True, text=True)
+    if pip.returncode:
+        pytest.skip(f"protego 0.6.2 not installable here: {pip.stderr[-200:]}")
+    pairs = [(g, a) for g in ("bot", "extended", "ccbot/2.0", "ccbot", "gpt", "gptbot", "*", "pangu", "claude-web")
+             for a in ("GPTBot", "CCBot", "CCBot/2.0", "Google-Extended", "PanguBot", "Mozilla/5.0 (compatible; GPTBot/1.2)")]
+    code = ("import json, sys; from protego import Protego; pairs = json.loads(sys.argv[1]); print(json.dumps("
+            "[not Protego.parse(f'User-agent: {g}\\nDisallow: /\\n').can_fetch('https://e.org/', a) for g, a in pairs]))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(pairs)], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert json.loads(out.stdout) == [group_applied_before_07(g, a) for g, a in pairs]
+
+
 def test_a_bot_group_no_longer_removes_gptbot_documents():
     snap = snapshot({"e.com": "User-agent: bot\nDisallow: /\n"})
     d = RobotsOracle(snap, RobotsConfig(wildcard=False)).decide("https://e.com/x")
