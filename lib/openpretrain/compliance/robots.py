@@ -107,7 +107,7 @@ def robots_text(body: bytes | str | None, max_bytes: int = MAX_ROBOTS_BYTES) -> 
         return None, "html"
     return text, "ok"
 
-# %% ../../../nbs/02_robots.ipynb #6e3672ad
+# %% ../../../nbs/02_robots.ipynb #300b4247
 @dataclass(kw_only=True)
 class RobotsConfig:
     "The `robots:` section of a preset."
@@ -141,7 +141,11 @@ class RobotsDecision:
 
 def host_key(url: str) -> str | None:
     "The snapshot key of a URL: lower-case IDNA host, IPv6 in brackets, port kept; None if it has no host."
-    parts = urlsplit(url)  # ValueError on a broken IPv6 literal
+    return _netloc_key(urlsplit(url).netloc)  # urlsplit: ValueError on a broken IPv6 literal
+
+@functools.lru_cache(maxsize=1 << 16)
+def _netloc_key(netloc: str) -> str | None:
+    parts = urlsplit("//" + netloc)
     host, port = parts.hostname, parts.port  # .port raises ValueError on a non-numeric or out-of-range port
     if not host:
         return None
