@@ -99,6 +99,14 @@ def test_random_fallback_drops_five_percent_reproducibly():
     assert abs(scores.mean() - 0.5) < 0.01  # uniform
 
 
+def test_rare_languages_share_the_pooled_threshold():
+    rng = np.random.default_rng(1)
+    langs = ["de"] * 400 + ["roh"] * 20
+    scorer = ToxicityScorer(None, {}, ToxicityConfig(min_language_docs=100))
+    thresholds = scorer.fit_thresholds(rng.random(420), langs)
+    assert set(thresholds) == {"de", "*"}
+
+
 def test_uncalibrated_language_uses_the_all_languages_threshold():
     scorer = ToxicityScorer(None, {}, ToxicityConfig(), thresholds={"en": 0.9, "*": 0.5})
     assert scorer.remove(np.array([0.7, 0.7]), ["en", "xx"]).tolist() == [False, True]

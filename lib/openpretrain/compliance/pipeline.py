@@ -82,7 +82,7 @@ class Quarantine(BaseFilter):
 __all__ = ['MALFORMED_RAW_CHARS', 'STAGES', 'ComplianceReader', 'ComplianceParquetReader', 'Quarantine', 'build_pipeline',
            'make_reader', 'calibrate', 'make_executor', 'run_compliance', 'read_ledger']
 
-# %% ../../../nbs/04a_pipeline.ipynb #ccf26f66
+# %% ../../../nbs/04a_pipeline.ipynb #8ab06feb
 from ..core import load_preset, project_root
 from .ledger import Ledger
 from .pii import PIIAnonymizer, PIIConfig
@@ -109,15 +109,16 @@ def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = 
         JsonlWriter(str(out / "kept")),
     ]
 
-def make_reader(input_dir: str | Path, fmt: str = "jsonl"):
-    "The never-dropping reader for `fmt` (jsonl: `*.jsonl*` files | parquet: `*.parquet`)."
-    if fmt == "jsonl":
-        return ComplianceReader(str(input_dir), glob_pattern="**/*.jsonl*", recursive=True)
-    if fmt == "parquet":
-        return ComplianceParquetReader(str(input_dir), glob_pattern="**/*.parquet", recursive=True)
-    raise ValueError(f"input format must be jsonl or parquet, got {fmt!r}")
+def make_reader(input_path: str | Path, fmt: str = "jsonl"):
+    "The never-dropping reader for `fmt` over a folder (jsonl: `*.jsonl*` | parquet: `*.parquet`) or one file."
+    path = Path(input_path)
+    folder, pattern = (path.parent, path.name) if path.is_file() else (path, f"**/*.{fmt}*")
+    readers = {"jsonl": ComplianceReader, "parquet": ComplianceParquetReader}
+    if fmt not in readers:
+        raise ValueError(f"input format must be jsonl or parquet, got {fmt!r}")
+    return readers[fmt](str(folder), glob_pattern=pattern, recursive=True)
 
-# %% ../../../nbs/04a_pipeline.ipynb #9cb2a83f
+# %% ../../../nbs/04a_pipeline.ipynb #59572906
 def calibrate(input_dir: str | Path, preset: str, robots_snapshot, heads_path: str | Path | None = None,
               fmt: str = "jsonl") -> dict[str, float]:
     "Per-language toxicity thresholds (and '*') on a hashed sample of the documents that reach the toxicity step."
@@ -142,9 +143,12 @@ def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: i
     executors = {"local": LocalPipelineExecutor, "slurm": SlurmPipelineExecutor, "ray": RayPipelineExecutor}
     if kind not in executors:
         raise ValueError(f"executor must be one of {sorted(executors)}, got {kind!r}")
+    if kind == "local" and kwargs.get("start_method", "forkserver") == "forkserver":
+        import multiprocess  # datatrove's pool: workers fork from a server that has already imported the stages
+        multiprocess.get_context("forkserver").set_forkserver_preload([__name__])
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
 
-# %% ../../../nbs/04a_pipeline.ipynb #ccc22b02
+# %% ../../../nbs/04a_pipeline.ipynb #f4293c85
 def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, output_dir: str | Path | None = None, *,
                    input_dir: str | Path | None = None, fmt: str | None = None, robots_snapshot=None,
                    heads_path: str | Path | None = None) -> Ledger:
@@ -170,10 +174,10 @@ def read_ledger(output_dir: str | Path) -> Ledger:
     return Ledger.from_folders(*folders, count_tokens=count_tokens)
 
 def _defaults(preset: str, input_dir, fmt, robots_snapshot):
-    "The preset's embedded corpus and its robots.txt snapshot unless given."
+    "The embedded corpus (train split, Parquet) and its January-2025 robots.txt snapshot unless given."
     from openpretrain import corpus
     if input_dir is None:
-        input_dir, fmt = corpus.corpus_dir(preset), "parquet"
+        (input_dir,), fmt = corpus.corpus_files("train"), "parquet"
     if robots_snapshot is None:
-        robots_snapshot = corpus.robots_snapshot_path()
+        robots_snapshot = corpus.load_robots_snapshot()
     return input_dir, fmt or "jsonl", robots_snapshot
