@@ -138,7 +138,7 @@ def test_update_expert_bias_moves_towards_balance_and_resets_counts():
 
 
 def test_sequence_balance_loss_is_one_when_balanced_and_larger_when_collapsed():
-    E, k, L = 4, 2, 8
+    E, L = 4, 8
     uniform = torch.full((1, L, E), 0.5)
     balanced = torch.tensor([[[0, 1], [2, 3]] * (L // 2)])
     assert sequence_balance_loss(uniform, balanced).item() == pytest.approx(1.0)

@@ -17,7 +17,7 @@ except Exception:  # ImportError, or a broken CUDA-less build
     mamba_chunk_scan_combined = None
 
 # %% auto #0
-__all__ = ['ssd_step', 'ssd_recurrent', 'segsum', 'ssd_chunked', 'ssd', 'GatedRMSNorm', 'MambaState', 'Mamba2Mixer']
+__all__ = ['ssd_step', 'ssd_recurrent', 'ssd_chunked', 'ssd', 'GatedRMSNorm', 'MambaState', 'Mamba2Mixer']
 
 # %% ../../../nbs/07_a_mamba2.ipynb #d0a08990
 def ssd_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor):
@@ -39,40 +39,30 @@ def ssd_recurrent(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Ten
         ys.append(y)
     return torch.stack(ys, 1), state
 
-# %% ../../../nbs/07_a_mamba2.ipynb #ead3ca02
-def segsum(a: Tensor) -> Tensor:
-    "(..., Q) → (..., Q, Q): entry [l, s] = a[s+1] + … + a[l] for l ≥ s, −inf above the diagonal."
-    Q = a.shape[-1]
-    a = a[..., None].expand(*a.shape, Q)                            # [..., i, s] = a[i]
-    ones = torch.ones(Q, Q, dtype=torch.bool, device=a.device)
-    out = a.masked_fill(~ones.tril(-1), 0).cumsum(-2)                # Σ_{s<i≤l} a[i]
-    return out.masked_fill(~ones.tril(), -torch.inf)
-
+# %% ../../../nbs/07_a_mamba2.ipynb #6f3d8246
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk_size: int,
                 state: Tensor | None = None, reset: Tensor | None = None):
-    "Chunked SSD in pure PyTorch, equal to `ssd_recurrent`; fp32 inside (fp64 for fp64 inputs)."
+    "Chunked SSD in pure PyTorch, equal to `ssd_recurrent` (`reset` (b,L): positions whose state restarts)."
     b, L, h, p = x.shape
     g, n = B.shape[-2:]
     r, Q = h // g, chunk_size
-    f = torch.promote_types(x.dtype, torch.float32)
-    pad = -L % Q
-    a = dt.to(f) * A.to(f)                                                      # Δ·A, (b,L,h)
-    if reset is not None:                                                       # a new document: forget the state
-        a = a.masked_fill(reset[..., None], -torch.inf)
-    a = F.pad(a, (0, 0, 0, pad))                                                # (b,T,h)
-    xdt = F.pad(x.to(f) * dt.to(f)[..., None], (0, 0, 0, 0, 0, pad))            # Δ·x, (b,T,h,p)
-    B, C = (F.pad(t.to(f), (0, 0, 0, 0, 0, pad)) for t in (B, C))              # (b,T,g,n)
-    c = xdt.shape[1] // Q
-    xdt, B, C = xdt.view(b, c, Q, g, r, p), B.view(b, c, Q, g, n), C.view(b, c, Q, g, n)
-    a = a.view(b, c, Q, g, r).permute(0, 1, 3, 4, 2)                            # (b,c,g,r,Q)
+    f = torch.promote_types(x.dtype, torch.float32)                            # fp32 inside, fp64 stays fp64
+    pad, c = -L % Q, -(-L // Q)
+    chunks = lambda t: F.pad(t.to(f), (0, 0) * (t.dim() - 2) + (0, pad)).unflatten(1, (c, Q))  # (b,c,Q,...)
+    cum = chunks(dt * A).transpose(2, 3).cumsum(-1)                             # Σ Δ·A from the chunk start, (b,c,h,Q)
+    docs = (chunks(reset) if reset is not None else x.new_zeros(b, c, Q, dtype=f)).cumsum(-1)[:, :, None]  # (b,c,1,Q)
+    decay = lambda log, keep: torch.exp(log.masked_fill(~keep, -torch.inf))   # 0 where a reset lies in between
+    xdt = chunks(x * dt[..., None]).unflatten(3, (g, r)).permute(0, 1, 3, 4, 2, 5)  # Δ·x, (b,c,g,r,Q,p)
+    B, C = chunks(B).transpose(2, 3), chunks(C).transpose(2, 3)                 # (b,c,g,Q,n)
     # 1. inside each chunk: causal scores C_l·B_s weighted by the decay from s to l
-    decay = torch.exp(segsum(a))                                                # (b,c,g,r,l,s)
-    scores = torch.einsum("bclgn,bcsgn->bcgls", C, B)                           # (b,c,g,l,s)
-    y = torch.einsum("bcgrls,bcsgrp->bclgrp", scores[:, :, :, None] * decay, xdt)
-    # 2. the state each chunk leaves behind from its own inputs (decayed to the chunk's end)
-    states = torch.einsum("bclgn,bclgrp->bcgrpn", B, xdt * decay[..., -1, :].permute(0, 1, 4, 2, 3)[..., None])
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    within = decay(cum[..., :, None] - cum[..., None, :], causal & (docs[..., :, None] == docs[..., None, :]))
+    y = ((C @ B.transpose(-1, -2))[:, :, :, None] * within.unflatten(2, (g, r))) @ xdt   # (b,c,g,r,Q,p)
+    # 2. the state each chunk leaves behind from its own inputs, decayed to the chunk's end
+    to_end = decay(cum[..., -1:] - cum, docs == docs[..., -1:]).unflatten(2, (g, r))      # (b,c,g,r,Q)
+    states = xdt.transpose(-1, -2) @ (B[:, :, :, None] * to_end[..., None])               # (b,c,g,r,p,n)
     # 3. carry states across chunk boundaries: a scan over the c chunks
-    chunk_decay = torch.exp(a.sum(-1))[..., None, None]                         # (b,c,g,r,1,1)
+    chunk_decay = decay(cum[..., -1], docs[..., -1] == 0).unflatten(2, (g, r))[..., None, None]  # (b,c,g,r,1,1)
     h_ = x.new_zeros(b, g, r, p, n, dtype=f) if state is None else state.to(f).view(b, g, r, p, n)
     starts = []
     for i in range(c):
@@ -80,10 +70,10 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
         h_ = chunk_decay[:, i] * h_ + states[:, i]
     starts = torch.stack(starts, 1)                                             # (b,c,g,r,p,n)
     # 4. what each chunk's start state contributes at every position, decayed from the chunk's start
-    into = torch.exp(a.cumsum(-1))                                              # (b,c,g,r,Q)
-    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, starts) * into.permute(0, 1, 4, 2, 3)[..., None]
-    y = y.reshape(b, c * Q, h, p)[:, :L] + D.to(f)[:, None] * x.to(f)
-    return y, h_.view(b, h, p, n)
+    from_start = decay(cum, docs == 0).unflatten(2, (g, r))                     # (b,c,g,r,Q)
+    y = y + (C[:, :, :, None] @ starts.transpose(-1, -2)) * from_start[..., None]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * Q, h, p)[:, :L]              # (b,L,h,p)
+    return y + D.to(f)[:, None] * x.to(f), h_.view(b, h, p, n)
 
 def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk_size: int,
         state: Tensor | None = None, segments: Tensor | None = None):
@@ -95,7 +85,7 @@ def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk
     reset = None if segments is None else F.pad(segments.diff(dim=1) != 0, (1, 0))
     return ssd_chunked(x, dt, A, B, C, D, chunk_size, state, reset)
 
-# %% ../../../nbs/07_a_mamba2.ipynb #500cdce1
+# %% ../../../nbs/07_a_mamba2.ipynb #49d4a2bf
 class GatedRMSNorm(nn.Module):
     "RMSNorm of y·silu(z) over groups of `group_size` channels (Mamba-2 with norm_before_gate=False)."
     def __init__(self, dim: int, group_size: int, eps: float = 1e-5):
@@ -111,10 +101,10 @@ class GatedRMSNorm(nn.Module):
 @dataclass
 class MambaState:
     "What a Mamba-2 layer carries between decoding steps; its size does not grow with the sequence."
-    conv: Tensor  # (b, conv_dim, d_conv-1): the last inputs of the causal convolution
+    conv: Tensor  # (b, d_conv-1, conv_dim): the last inputs of the causal convolution
     ssm: Tensor   # (b, heads, head_dim, d_state), fp32: the SSM state h_t
 
-# %% ../../../nbs/07_a_mamba2.ipynb #c53ba8f1
+# %% ../../../nbs/07_a_mamba2.ipynb #63be8d76
 class Mamba2Mixer(nn.Module):
     "Mamba-2 mixer: in_proj → causal conv + SiLU → SSD → gated group RMSNorm → out_proj."
     def __init__(self, d_model: int, n_heads: int, head_dim: int, n_groups: int, d_state: int, d_conv: int,
@@ -125,7 +115,8 @@ class Mamba2Mixer(nn.Module):
         self.inner = n_heads * head_dim
         self.conv_dim = self.inner + 2 * n_groups * d_state                     # channels of xBC
         self.in_proj = nn.Linear(d_model, self.inner + self.conv_dim + n_heads, bias=False)  # → [z | xBC | dt]
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim)  # depthwise
+        # depthwise conv weights in nn.Conv1d layout (checkpoint names); applied by `_conv` as shifted multiply-adds
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim)
         self.dt_bias = nn.Parameter(torch.zeros(n_heads))
         self.A_log = nn.Parameter(torch.zeros(n_heads))
         self.D = nn.Parameter(torch.ones(n_heads))
@@ -135,7 +126,7 @@ class Mamba2Mixer(nn.Module):
     def new_state(self, batch: int, device=None, dtype=None) -> MambaState:
         "An empty decoding state (zeros = the convolution's left padding and h_0 = 0)."
         w = self.conv1d.weight
-        return MambaState(conv=torch.zeros(batch, self.conv_dim, w.shape[-1] - 1, device=device or w.device,
+        return MambaState(conv=torch.zeros(batch, w.shape[-1] - 1, self.conv_dim, device=device or w.device,
                                            dtype=dtype or w.dtype),
                           ssm=torch.zeros(batch, self.n_heads, self.head_dim, self.d_state,
                                           device=device or w.device, dtype=torch.float32))
@@ -164,16 +155,17 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y)
 
     def _conv(self, xBC: Tensor, state: MambaState | None, segments: Tensor | None = None) -> Tensor:
-        "Depthwise causal convolution over time; left context = the state's last inputs (zeros at the start)."
-        xBC = xBC.transpose(1, 2)                                               # (b, conv_dim, L)
-        w, k = self.conv1d.weight, self.conv1d.weight.shape[-1]
-        left = xBC.new_zeros(*xBC.shape[:2], k - 1) if state is None else state.conv.to(xBC.dtype)
-        xBC = torch.cat([left, xBC], -1)                                        # (b, conv_dim, k-1+L)
+        "Depthwise causal conv over time as k shifted multiply-adds; left context = the state's last inputs."
+        w, L = self.conv1d.weight[:, 0], xBC.shape[1]                          # w (conv_dim, k)
+        k = w.shape[1]
+        left = xBC.new_zeros(xBC.shape[0], k - 1, xBC.shape[2]) if state is None else state.conv.to(xBC.dtype)
+        xpad = torch.cat([left, xBC], 1)                                        # (b, k-1+L, conv_dim)
         if state is not None:
-            state.conv = xBC[..., -(k - 1):].detach().clone()
-        if segments is None:
-            return F.conv1d(xBC, w, self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
-        windows = xBC.unfold(-1, k, 1)                                          # (b, conv_dim, L, k)
-        same_doc = F.pad(segments, (k - 1, 0), value=-1).unfold(-1, k, 1) == segments[..., None]  # (b, L, k)
-        out = (windows * same_doc[:, None] * w[:, 0, None, :]).sum(-1) + self.conv1d.bias[:, None]
-        return out.transpose(1, 2)
+            state.conv = xpad[:, L:].detach().clone()                           # the last k-1 inputs
+        if segments is not None:
+            seg = F.pad(segments, (k - 1, 0), value=-1)                         # (b, k-1+L)
+        out = self.conv1d.bias
+        for j in range(k):                                                      # tap j sees input t-(k-1-j)
+            tap = xpad[:, j:j + L] * w[:, j]
+            out = out + (tap if segments is None else tap * (seg[:, j:j + L] == segments)[..., None])
+        return out                                                              # (b, L, conv_dim)

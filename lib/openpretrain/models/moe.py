@@ -80,7 +80,7 @@ class Experts(nn.Module):
         out = out.float() * weights.flatten()[order, None]
         return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token, out).to(x.dtype)
 
-# %% ../../../nbs/07_b_moe.ipynb #90dd260f
+# %% ../../../nbs/07_b_moe.ipynb #7fd6445b
 class MoE(nn.Module):
     "Shared squared-ReLU expert + top-k of `n_experts` routed ones, sigmoid-routed with bias balancing."
     def __init__(self, d_model: int, n_experts: int, top_k: int, expert_hidden: int, shared_hidden: int,
@@ -97,9 +97,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])                                         # (N, d)
         weights, idx, scores = self.gate(flat)
         routed = self.experts(flat, idx, weights).view_as(x)
-        if self.training and self.aux_loss_coef > 0:
-            self.aux_loss = self.aux_loss_coef * sequence_balance_loss(scores.view(*x.shape[:2], -1),
-                                                                       idx.view(*x.shape[:2], -1))
+        per_sequence = scores.view(*x.shape[:2], -1), idx.view(*x.shape[:2], -1)          # (b,L,E), (b,L,k)
+        self.aux_loss = (self.aux_loss_coef * sequence_balance_loss(*per_sequence)
+                         if self.training and self.aux_loss_coef > 0 else None)
         return routed + self.shared_experts(x)
 
     def active_param_count(self) -> int:
