@@ -4,8 +4,8 @@ and the chunked SSD against the sequential recurrence it equals.
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed alternately in one
 process after a warm-up (the compiled side's warm-up compiles). Sides: our eager model, transformers' eager model and,
 with --compile, our model with compiled non-MoE blocks (`build(compile=True)`). The SSD comparison
-runs one Mamba-2 layer's scan (forward, eager) at L = 2048.
-Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_hybrid.py [--reps 5] [--compile] [--device cuda]
+runs the scan of one Soofi-sized Mamba-2 layer (forward, eager, chunk 128) at L = 2048.
+Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_hybrid.py [--reps 3] [--compile] [--device cuda]
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def model_step(reps: int, batch: int, seq: int, device: str, compile: bool) -> d
 
 
 def ssd_time(reps: int, L: int = 2048) -> tuple[float, float]:
-    "Median seconds of (chunked, recurrent) SSD for one layer: 16 heads × 64, 2 groups, state 64, chunk 128."
+    "Median seconds of (chunked, recurrent) SSD for one Soofi Mamba-2 layer: 64 heads × 64, 8 groups, state 128."
     gen = torch.Generator().manual_seed(0)
-    h, p, g, n = 16, 64, 2, 64
+    h, p, g, n = 64, 64, 8, 128
     x, B, C = torch.randn(1, L, h, p, generator=gen), torch.randn(1, L, g, n, generator=gen), torch.randn(1, L, g, n, generator=gen)
     dt, A, D = F.softplus(torch.randn(1, L, h, generator=gen) - 3), -torch.rand(h, generator=gen), torch.ones(h)
     times = {"chunked": [], "recurrent": []}
@@ -82,7 +82,7 @@ def ssd_time(reps: int, L: int = 2048) -> tuple[float, float]:
     return statistics.median(times["chunked"]), statistics.median(times["recurrent"])
 
 
-def main(reps: int = 5, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
+def main(reps: int = 3, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
     tps = model_step(reps, batch, seq, device, compile)
     chunked, recurrent = ssd_time(reps)
     ref = tps.pop("transformers")
@@ -94,7 +94,7 @@ def main(reps: int = 5, batch: int = 2, seq: int = 512, device: str = "cpu", com
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--device", default="cpu")
