@@ -281,6 +281,13 @@ def test_build_model_dispatches_on_the_preset_architecture():
         build_model(object())
 
 
+def test_model_config_names_an_unknown_architecture(tmp_path):
+    path = tmp_path / "odd.yaml"
+    path.write_text("preset: odd\nmodel:\n  arch: transformer-xl\n")
+    with pytest.raises(ConfigError, match="unknown architecture 'transformer-xl'"):
+        model_config(load_preset(path))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ssd_on_cuda_matches_the_cpu_chunked_result():
     from openpretrain.models.mamba2 import ssd
