@@ -15,8 +15,6 @@ from openpretrain.models.hybrid import (HybridConfig, HybridLM, build, build_mod
 from openpretrain.models.mamba2 import Mamba2Mixer, ssd_chunked, ssd_recurrent
 from openpretrain.models.moe import MoE, SigmoidRouter, sequence_balance_loss, update_expert_bias
 
-torch.set_num_threads(1)
-
 # every layer kind, small enough for a CPU test
 SMALL = HybridConfig(vocab_size=97, d_model=32, pattern="M*E-ME*M", n_heads=4, n_kv_heads=2, head_dim=8,
                      mamba_heads=4, mamba_head_dim=8, mamba_groups=2, mamba_state=8, mamba_chunk=8,
