@@ -180,7 +180,7 @@ def resolve_device(device: str = "auto") -> str:
         raise ConfigError(f"device must be auto, cpu, cuda[:N] or meta, got '{device}'")
     return device
 
-# %% ../../nbs/00_core.ipynb #384d3263
+# %% ../../nbs/00_core.ipynb #dda4b5e2
 @dataclass
 class Artifacts:
     "Where one chapter's figures and tables go: `<root>/<preset>/{figures,tables}/<chapter>-<name>.*`."
@@ -207,6 +207,13 @@ class Artifacts:
         out.parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(out.with_suffix(".csv"), index=False)
         out.with_suffix(".md").write_text(df.to_markdown(index=False, floatfmt=floatfmt) + "\n")
+        return df
+
+    def data(self, df, name: str):
+        "Save a large per-record frame (a manifest, a ledger) as Parquet only; returns the DataFrame."
+        out = self.dir / "data" / f"{self.chapter}-{name}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        df.to_parquet(out, index=False)
         return df
 
 def paper_vs_ours(rows: list[tuple]):

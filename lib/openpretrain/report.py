@@ -91,7 +91,7 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
     write_index(s, times)
     return times
 
-# %% ../../nbs/90_report.ipynb #7cf179ff
+# %% ../../nbs/90_report.ipynb #f8b665e7
 def git_commit() -> str:
     "HEAD of the checkout, with `-dirty` when tracked files have changed."
     def git(*a):
@@ -153,6 +153,8 @@ def _artifact_html(a: dict, out: Path) -> str:
         table = pd.read_csv(out / path).to_html(index=False, max_rows=40, float_format=lambda v: f"{v:.4g}")
         return f"<h3>{esc(Path(path).stem)}</h3>{table}<p><a href='{esc(path)}'>csv</a> · " \
                f"<a href='{esc(path[:-4])}.md'>markdown</a></p>"
+    if path.endswith(".parquet"):
+        return f"<p>data: <a href='{esc(path)}'>{esc(path)}</a> ({a['bytes'] / 1e6:.1f} MB)</p>"
     if path.endswith(".ipynb"):
         return f"<p>executed notebook: <a href='{esc(path)}'>{esc(path)}</a></p>"
     return ""
