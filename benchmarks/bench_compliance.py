@@ -1,6 +1,6 @@
 """Compliance pipeline throughput (docs/s): 2 workers vs 1 worker, same input, same process, median of N.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_compliance.py [--docs 2400] [--reps 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_compliance.py [--docs 8000] [--reps 3]
 
 Both sides run the real pipeline (reader → quarantine → robots → toxicity with USE v3 → PII → writer) under
 LocalPipelineExecutor with 4 tasks on the same real-text input (the weak-label fortunes, FineWeb-schema JSONL);
@@ -47,7 +47,7 @@ def run_once(inp: Path, out: Path, workers: int, tasks: int = 4) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--docs", type=int, default=2400)
+    ap.add_argument("--docs", type=int, default=8000)  # worker start-up (~1 s: imports, USE) amortised
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from datatrove.utils.logging import logger
