@@ -1,4 +1,5 @@
 """Compliance pipeline (reader → quarantine → robots → toxicity → PII → writer): conservation, crash/resume, bad input."""
+import gzip
 import json
 import os
 import signal
@@ -42,7 +43,7 @@ def _doc(i: int, url: str | None = "https://open.example.org/p", lang: str | Non
 def _write(folder: Path, lines: list[bytes], shards: int = 2) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for k in range(shards):
-        (folder / f"part-{k}.jsonl").write_bytes(b"".join(l + b"\n" for l in lines[k::shards]))
+        (folder / f"part-{k}.jsonl").write_bytes(b"".join(line + b"\n" for line in lines[k::shards]))
 
 
 def _run(inp: Path, out: Path, tasks: int = 2, workers: int = 1):
@@ -77,7 +78,7 @@ def test_every_document_leaves_the_pipeline_exactly_once(tmp_path_factory, spec,
     _write(root / "in", [_line(kind, pos, i, host) for pos, (kind, i, host) in enumerate(spec)], shards=2)  # tasks=3 stripes
     ledger = _run(root / "in", root / "out", tasks=tasks)
     assert len(ledger) == len(spec)  # one row per input line; Ledger itself refuses duplicate ids
-    for pos, (kind, i, host) in enumerate(spec):
+    for pos, (kind, _, host) in enumerate(spec):
         if kind == "truncated":
             continue  # its id is <file>/<line>; counted above
         row = ledger.loc[f"doc-{pos}"]
@@ -185,10 +186,10 @@ def test_malformed_input_has_a_documented_outcome_for_every_case(tmp_path):
             assert row.robots_reason == reason, doc_id
     assert ledger.loc["no-language", "toxicity_head"] == "multilingual"  # no language → fallback head, '*' cut
     assert any(i.endswith("bad.jsonl/15") for i in ledger.index)  # a record without id gets <file>/<line>
-    kept = {json.loads(l)["id"]: json.loads(l) for p in (tmp_path / "out" / "kept").glob("*.jsonl.gz")
-            for l in __import__("gzip").open(p, "rt")}
+    kept = {json.loads(line)["id"]: json.loads(line) for p in (tmp_path / "out" / "kept").glob("*.jsonl.gz")
+            for line in gzip.open(p, "rt")}
     assert "\ufffd" in kept["bad-utf8"]["text"]  # repaired, not dropped
-    removed = [json.loads(l) for l in __import__("gzip").open(next((tmp_path / "out/removed/malformed").glob("*.gz")), "rt")]
+    removed = [json.loads(line) for line in gzip.open(next((tmp_path / "out/removed/malformed").glob("*.gz")), "rt")]
     assert {r["text"] for r in removed if r["id"] == "bad.jsonl/0"} == {'{"id": "no-json", "text": "cut off'}
 
 

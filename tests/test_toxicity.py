@@ -71,7 +71,7 @@ def test_threshold_removes_the_top_five_percent_of_each_language():
     langs = np.array(["pt"] * 3000 + ["pl"] * 2000)
     scores = np.concatenate([rng.beta(2, 3, 3000), rng.beta(0.2, 3, 2000)])  # different shapes, like Fig. 4
     scorer = ToxicityScorer(None, {}, ToxicityConfig())
-    scorer.thresholds = {l: fit_threshold(scores[langs == l]) for l in ("pt", "pl")} | {"*": fit_threshold(scores)}
+    scorer.thresholds = {lang: fit_threshold(scores[langs == lang]) for lang in ("pt", "pl")} | {"*": fit_threshold(scores)}
     removed = scorer.remove(scores, langs)
     for lang, n in (("pt", 3000), ("pl", 2000)):
         assert abs(removed[langs == lang].sum() - 0.05 * n) <= 1
