@@ -44,24 +44,12 @@ check-sync: venv
 	$(BIN)/nbdev-export
 	$(BIN)/nbdev-clean
 	git status --porcelain -- lib nbs | tee /dev/stderr | (! grep -q .) \
-	  || { echo "lib/ or nbs/ changed after nbdev-export/nbdev-# Rebuild data/ byte for byte from the pinned Debian and npm packages (needs apt-get, dpkg-deb, groff, npm, amd64;
-# ~2 min). Downloads are cached in .cache/sources; a clean rebuild leaves `git status data/` empty.
-data: venv
-	apt-get update -qq
-	$(BIN)/python -c "from openpretrain.corpus import build_corpus; build_corpus()"
-	git status --short data/
-
-# Third-party vocabularies for chapter 05 (llama.cpp GGUF vocab files from the llama-cpp-python 0.3.36 sdist,
-# ~77 MB download), converted and checked against their test vectors into .cache/tokenizers (not redistributed).
-# Skipped when the cache is complete; Tekken, Qwen, cl100k and our BPEs work without it.
-tokenizers: venv
-	$(BIN)/python -c "from openpretrain.tokenization import fetch_tokenizers; print(fetch_tokenizers())"
-
-clean: export, clean and commit"; exit 1; }
+	  || { echo "lib/ or nbs/ changed after nbdev-export/nbdev-clean: export, clean and commit"; exit 1; }
 
 bench: venv
-	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do echo "== $$b"; OMP_NUM_THREADS=2 $(BIN)/python $$b || exit 1; done
 
+# One script for one GPU: bf16 MFU of a ~1B dense config and of the hybrid, Triton xIELU vs PyTorch.
 bench-gpu: venv
 	$(BIN)/python benchmarks/gpu.py
 
