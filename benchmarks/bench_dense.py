@@ -13,9 +13,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from openpretrain.models.dense import DenseConfig, build, to_hf, train_flops_per_token
+from train_step import step_time
 
 
 def matmul_flops(n: int = 2048) -> float:
@@ -26,15 +26,6 @@ def matmul_flops(n: int = 2048) -> float:
     return 2 * n**3 / (time.perf_counter() - t)
 
 
-def step_time(forward, params, ids: torch.Tensor) -> float:
-    "Seconds for one forward + backward of the next-token loss."
-    for p in params:
-        p.grad = None
-    t = time.perf_counter()
-    logits = forward(ids[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-    loss.backward()
-    return time.perf_counter() - t
 
 
 def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, batch: int = 2, vocab: int = 8192):

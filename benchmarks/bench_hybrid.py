@@ -17,17 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from openpretrain.models.hybrid import HybridConfig, build, to_hf
+from train_step import step_time
 from openpretrain.models.mamba2 import ssd_chunked, ssd_recurrent
 
 
-def step_time(forward, params, ids: torch.Tensor) -> float:
-    "Seconds for one forward + backward of the next-token loss."
-    for p in params:
-        p.grad = None
-    t = time.perf_counter()
-    logits = forward(ids[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
-    return time.perf_counter() - t
 
 
 def model_step(reps: int, batch: int, seq: int, device: str, compile: bool) -> dict[str, float]:
