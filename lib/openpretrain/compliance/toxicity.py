@@ -303,7 +303,7 @@ def resolve_head(lang: str, heads: dict, cfg: ToxicityConfig) -> str:
         raise ValueError(f"toxicity.fallback must be one of {FALLBACKS}, got {cfg.fallback!r}")
     return "random"
 
-# %% ../../../nbs/04_toxicity.ipynb #66568d5c
+# %% ../../../nbs/04_toxicity.ipynb #3e31d341
 class ToxicityScorer:
     "Document scores (max P(toxic) over chunks) and remove/keep decisions per language."
 
@@ -344,7 +344,8 @@ class ToxicityScorer:
         from openpretrain.core import to_dict
         tensors = {f"{lang}.{k}": v.half().contiguous()  # half precision: ~0.5 MB per 512-d head
                    for lang, h in self.heads.items() for k, v in h.state_dict().items()}
-        meta = {"config": json.dumps(to_dict(self.cfg)), "thresholds": json.dumps(self.thresholds)}
+        # one metadata key: safetensors stores metadata in a hash map, so several keys come out in random order
+        meta = {"openpretrain": json.dumps({"config": to_dict(self.cfg), "thresholds": self.thresholds})}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=meta)
         return Path(path)
@@ -360,7 +361,7 @@ def load_heads(path: str | Path | None = None, dropout: float = 0.2) -> tuple[di
         state = {k.split(".", 1)[1]: v.float() for k, v in tensors.items() if k.startswith(lang + ".")}
         heads[lang] = ToxicityHead(state["net.0.weight"].shape[1], dropout)
         heads[lang].load_state_dict(state)
-    return heads, json.loads(meta.get("thresholds", "{}"))
+    return heads, json.loads(meta.get("openpretrain", "{}")).get("thresholds", {})
 
 # %% ../../../nbs/04_toxicity.ipynb #75dc241e
 LANGUAGE_CODES = {"eng": "en", "deu": "de", "fra": "fr", "ita": "it", "spa": "es", "por": "pt", "nld": "nl",
