@@ -32,15 +32,24 @@ def model():
 
 
 # --- parameter counts of the published shapes --------------------------------------------------------------------
-@pytest.mark.parametrize("preset,report", [("apertus-8b", 8.05e9), ("apertus-70b", 70.6e9)])
-def test_published_presets_have_the_reports_parameter_count(preset, report):
+@pytest.mark.parametrize("preset,named,layers,hidden,mlp,heads,kv_heads", [
+    ("apertus-8b", 8e9, 32, 4096, 21504, 32, 8), ("apertus-70b", 70e9, 80, 8192, 43008, 64, 8)])
+def test_published_presets_count_what_the_table_1_shapes_imply(preset, named, layers, hidden, mlp, heads, kv_heads):
+    vocab, hd = 131_072, 128  # Apertus §2.1: the Tekken vocabulary; head width hidden / query heads
+    assert hidden // heads == hd
+    embeddings = 2 * vocab * hidden                                    # untied: input table + output head
+    attention = hidden * hd * (heads + 2 * kv_heads) + heads * hd * hidden  # q, k, v, o; no biases
+    mlp_matrices = 2 * hidden * mlp                                    # ungated: up + down
+    norms = 2 * hidden + 2 * hd                                        # two pre-norms + QK-norms over head_dim
+    xielu = 2                                                          # a_p, a_n per layer
+    expected = embeddings + layers * (attention + mlp_matrices + norms + xielu) + hidden  # + final norm
     model = build(load_preset(preset).section("model", DenseConfig), device="meta")
     assert all(p.is_meta for p in model.parameters())
     counts = param_counts(model)
-    assert abs(counts["total"] / report - 1) < 0.01
+    assert counts["total"] == expected
+    assert abs(expected / named - 1) < 0.01  # the shapes give the scale the report names the model by
     assert counts["active"] == counts["total"]  # dense: every parameter is used by every token
-    c = model.config
-    assert counts["embedding"] == c.vocab_size * c.d_model  # one untied input table
+    assert counts["embedding"] == vocab * hidden  # one untied input table
 
 
 def test_building_a_dense_model_imports_no_hybrid_code():
@@ -322,3 +331,54 @@ def test_compiled_blocks_equal_the_eager_model():
     fused.load_state_dict(eager.state_dict())
     ids = torch.randint(0, 300, (2, 32))
     torch.testing.assert_close(fused(ids), eager(ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(prompt_ids=torch.zeros(1, 0, dtype=torch.long)), "prompt_ids"),
+    (dict(prompt_ids=torch.zeros(0, 3, dtype=torch.long)), "prompt_ids"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=62), "max_seq_len"),  # 3 + 62 > 64
+])
+def test_generate_refuses_bad_arguments_naming_them(model, kwargs, field):
+    args = {"prompt_ids": torch.zeros(1, 3, dtype=torch.long), "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=field):
+        generate(model, **args)
+
+
+def test_generate_fills_the_context_exactly(model):
+    out = generate(model, torch.zeros(1, 3, dtype=torch.long), 61)  # 3 + 61 = max_seq_len 64
+    assert out.shape == (1, 64)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_act="silu"), "hidden_act"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+])
+def test_from_hf_refuses_what_dense_lm_cannot_represent(model, change, field):
+    config = hf_config(model.config)
+    for key, value in change.items():
+        setattr(config, key, value)
+    hf = transformers.ApertusForCausalLM(config)
+    with pytest.raises(ConfigError, match=field):
+        from_hf(hf)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(head_dim=15), "head_dim"),                       # RoPE rotates pairs of channels
+    (dict(d_model=0), "d_model"),
+    (dict(n_layers=-2), "n_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(n_kv_heads=0), "n_kv_heads"),
+    (dict(mlp_hidden=-1), "mlp_hidden"),
+    (dict(n_heads=3, n_kv_heads=2), "n_kv_heads"),
+    (dict(rope_scaling=dict(factor=8.0)), "rope_scaling"),  # partial Llama-3 scaling
+    (dict(rope_scaling={**LLAMA3, "factor": 0.0}), "rope_scaling.factor"),
+    (dict(rope_scaling={**LLAMA3, "high_freq_factor": 1.0}), "high_freq_factor"),
+])
+def test_config_refuses_impossible_shapes_naming_the_field(change, field):
+    with pytest.raises(ConfigError, match=field):
+        small(**change)

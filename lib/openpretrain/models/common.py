@@ -12,12 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import resolve_device
+from ..core import ConfigError, resolve_device
 
 # %% auto #0
-__all__ = ['RMSNorm', 'rope_inv_freq', 'Rotary', 'apply_rope', 'AttnMask', 'document_segments', 'document_positions',
-           'attention_mask', 'KVCache', 'Attention', 'generate', 'sample_next', 'materialize', 'param_counts',
-           'cache_bytes_per_token']
+__all__ = ['require_positive', 'RMSNorm', 'rope_inv_freq', 'Rotary', 'apply_rope', 'AttnMask', 'document_segments',
+           'document_positions', 'attention_mask', 'KVCache', 'Attention', 'sample_next', 'check_generate_args',
+           'generate', 'materialize', 'param_counts', 'cache_bytes_per_token']
+
+# %% ../../../nbs/05a_common.ipynb #966365ac
+def require_positive(config, *names: str) -> None:
+    "Raise ConfigError naming the first field of `names` on `config` that is not a positive number."
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"model.{name} must be a positive number, got {value!r}")
 
 # %% ../../../nbs/05a_common.ipynb #d535cc14
 class RMSNorm(nn.Module):
@@ -162,32 +170,6 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 # %% ../../../nbs/05a_common.ipynb #cea15aba
-@torch.no_grad()
-def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
-    """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
-
-    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
-    B, T0 = prompt_ids.shape
-    param = next(model.parameters())
-    cache = model.init_cache(B, T0 + max_new_tokens, param.device, param.dtype)
-    gen = torch.Generator(device=prompt_ids.device)  # private: sampling never touches the global RNG
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    out, done = [prompt_ids], torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-    logits = model(prompt_ids, cache=cache)[:, -1]  # (B, V)
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, gen)
-        if eos_id is not None:
-            nxt = torch.where(done, eos_id, nxt)
-            done |= nxt == eos_id
-        out.append(nxt[:, None])
-        if step + 1 < max_new_tokens:
-            logits = model(nxt[:, None], cache=cache)[:, -1]
-    return torch.cat(out, dim=1)
-
 def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> Tensor:
     "One token per row of logits (B, V): arg-max at temperature 0, else nucleus (top-p) sampling."
@@ -199,6 +181,48 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0,
         outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already reaches top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+# %% ../../../nbs/05a_common.ipynb #5fdf1291
+def check_generate_args(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float,
+                        top_p: float) -> None:
+    "Raise ValueError naming the first argument of `generate` that cannot be honoured."
+    if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be a non-empty (B, T) tensor, got shape {tuple(prompt_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    limit = getattr(getattr(model, "config", None), "max_seq_len", None)  # the hybrid has no positional limit
+    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt_ids length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
+                         f"the model's max_seq_len {limit}")
+
+# %% ../../../nbs/05a_common.ipynb #f56e76bd
+@torch.no_grad()
+def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
+    """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
+
+    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
+    check_generate_args(model, prompt_ids, max_new_tokens, temperature, top_p)
+    B, T0 = prompt_ids.shape
+    param = next(model.parameters())
+    cache = model.init_cache(B, T0 + max_new_tokens, param.device, param.dtype)
+    gen = torch.Generator(device=prompt_ids.device)  # private: sampling never touches the global RNG
+    gen.seed() if seed is None else gen.manual_seed(seed)
+    out, done = [prompt_ids], torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    logits = model(prompt_ids, cache=cache)[:, -1]  # (B, V)
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_p, gen)
+        if eos_id is not None:
+            nxt = torch.where(done, eos_id, nxt)
+            done |= nxt == eos_id
+        out.append(nxt[:, None])
+        if step + 1 < max_new_tokens:
+            logits = model(nxt[:, None], cache=cache)[:, -1]
+    return torch.cat(out, dim=1)
 
 # %% ../../../nbs/05a_common.ipynb #04106d6d
 def materialize(model: nn.Module, device: str | torch.device, init) -> nn.Module:
