@@ -207,9 +207,19 @@ def test_init_follows_nemotron():
     assert not torch.isnan(torch.cat([p.flatten() for p in model.parameters()])).any()
 
 
-def test_layer_pattern_rejects_unknown_kinds():
-    with pytest.raises(ConfigError, match="unknown layer kinds"):
-        HybridConfig(pattern="ME*X")
+@pytest.mark.parametrize("change,message", [
+    (dict(pattern="ME*X"), "unknown layer kinds"),
+    (dict(pattern=""), "pattern is empty"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=9), "top_k 9 exceeds model.n_experts 8"),
+    (dict(d_model=0), "d_model"),
+    (dict(mamba_state=-4), "mamba_state"),
+    (dict(expert_hidden=0), "expert_hidden"),
+    (dict(mamba_heads=3), "mamba_groups"),
+])
+def test_config_refuses_impossible_shapes_naming_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(SMALL, **change)
 
 
 # ---------------------------------------------------------------- transformers interop
@@ -241,10 +251,11 @@ def test_save_pretrained_loads_as_nemotron_h_and_round_trip_is_exact(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_from_hf_refuses_features_we_do_not_implement():
+@pytest.mark.parametrize("change", [dict(moe_latent_size=16), dict(attention_bias=True), dict(sliding_window=64)])
+def test_from_hf_refuses_features_we_do_not_implement(change):
     from transformers import NemotronHConfig
-    with pytest.raises(ConfigError, match="moe_latent_size"):
-        config_from_hf(NemotronHConfig(hybrid_override_pattern="ME", moe_latent_size=16))
+    with pytest.raises(ConfigError, match=next(iter(change))):
+        config_from_hf(NemotronHConfig(hybrid_override_pattern="ME", **change))
 
 
 # ---------------------------------------------------------------- accounting and dispatch

@@ -526,6 +526,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'openpretrain/models/hybrid.py'),
                                             'openpretrain.models.hybrid._hf_key': ('hybrid.html#_hf_key', 'openpretrain/models/hybrid.py'),
                                             'openpretrain.models.hybrid.build': ('hybrid.html#build', 'openpretrain/models/hybrid.py'),
+                                            'openpretrain.models.hybrid.check_hybrid_config': ( 'hybrid.html#check_hybrid_config',
+                                                                                                'openpretrain/models/hybrid.py'),
                                             'openpretrain.models.hybrid.config_from_hf': ( 'hybrid.html#config_from_hf',
                                                                                            'openpretrain/models/hybrid.py'),
                                             'openpretrain.models.hybrid.from_hf': ('hybrid.html#from_hf', 'openpretrain/models/hybrid.py'),
