@@ -46,6 +46,8 @@ def _presets(args) -> int:
     print("\n".join(list_presets()))
     return 0
 
+
+# %% ../../nbs/91_cli.ipynb #616254d5
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openpretrain", description=__doc__ or "openpretrain jobs")
     sub = p.add_subparsers(dest="command", required=True)

@@ -67,37 +67,6 @@ def bounded(default, lo=None, hi=None, **kw):
     "A dataclass field whose value `from_dict` checks against the closed interval [lo, hi] (None: unbounded)."
     return field(default=default, metadata={"range": (lo, hi)}, **kw)
 
-def from_dict(cls, data: dict | None, where: str = ""):
-    "Build dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys or bad values: `ConfigError`."
-    where = where or cls.__name__
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}", where)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            raise ConfigError(_unknown_key(key, where, fields), f"{where}.{key}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _in_range(fields[k], _coerce(hints[k], v, f"{where}.{k}"), f"{where}.{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-def to_dict(config) -> dict:
-    "The plain-dict form of a config (for YAML, papermill parameters and manifests)."
-    return dataclasses.asdict(config)
-
-def _unknown_key(key: str, where: str, fields) -> str:
-    close = difflib.get_close_matches(str(key), list(fields), n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"{where}: unknown key '{key}'{hint}; valid keys: {', '.join(fields)}"
-
-def _in_range(f: dataclasses.Field, value, where: str):
-    lo, hi = f.metadata.get("range", (None, None))
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            (lo is not None and not value >= lo) or (hi is not None and not value <= hi)):
-        interval = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise ConfigError(f"{where}: {value!r} is outside {interval}", where)
-    return value
 
 # %% ../../nbs/00_core.ipynb #8537c4e6
 def _coerce(tp, value, where: str):
@@ -132,6 +101,39 @@ def _coerce(tp, value, where: str):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}", where)
     if tp is float and math.isnan(value):
         raise ConfigError(f"{where}: NaN is not a valid value", where)
+    return value
+
+# %% ../../nbs/00_core.ipynb #7c1c47d9
+def from_dict(cls, data: dict | None, where: str = ""):
+    "Build dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys or bad values: `ConfigError`."
+    where = where or cls.__name__
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}", where)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key(key, where, fields), f"{where}.{key}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _in_range(fields[k], _coerce(hints[k], v, f"{where}.{k}"), f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+def to_dict(config) -> dict:
+    "The plain-dict form of a config (for YAML, papermill parameters and manifests)."
+    return dataclasses.asdict(config)
+
+def _unknown_key(key: str, where: str, fields) -> str:
+    close = difflib.get_close_matches(str(key), list(fields), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{where}: unknown key '{key}'{hint}; valid keys: {', '.join(fields)}"
+
+def _in_range(f: dataclasses.Field, value, where: str):
+    lo, hi = f.metadata.get("range", (None, None))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            (lo is not None and not value >= lo) or (hi is not None and not value <= hi)):
+        interval = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise ConfigError(f"{where}: {value!r} is outside {interval}", where)
     return value
 
 # %% ../../nbs/00_core.ipynb #15eb23be
@@ -175,6 +177,8 @@ class _PresetLoader(yaml.SafeLoader):
         finally:
             self.depth -= 1
 
+
+# %% ../../nbs/00_core.ipynb #a16c316b
 def _read_yaml(path: Path) -> tuple[object, dict[str, int]]:
     "The parsed file and the line of every mapping key (dotted path → 1-based line)."
     try:

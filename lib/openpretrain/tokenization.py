@@ -162,6 +162,25 @@ def read_gguf_vocab(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens — not a llama.cpp vocabulary")
     return vocab
 
+# %% ../../nbs/05_tokenizers.ipynb #99313232
+def _split(regex: str) -> dict:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+def _bpe(vocab: dict, ignore_merges: bool, byte_fallback: bool) -> dict:
+    merges = [[m[:p], m[p + 1:]] for m in vocab["merges"] for p in [m.find(" ", 1)]]  # as llama.cpp splits them
+    return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": byte_fallback,
+            "ignore_merges": ignore_merges, "vocab": {t: i for i, t in enumerate(vocab["tokens"])}, "merges": merges}
+
+def _tokenizer_json(vocab: dict, model: dict, normalizer, pre_tokenizer, decoder, newline_runs=False) -> dict:
+    types = vocab.get("token_type") or [1] * len(vocab["tokens"])
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": ty == _CONTROL}
+             for i, (t, ty) in enumerate(zip(vocab["tokens"], types))
+             if ty in (_CONTROL, _USER_DEFINED) or (newline_runs and t and set(t) == {"\n"})]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer, "post_processor": None, "decoder": decoder, "model": model}
+
 # %% ../../nbs/05_tokenizers.ipynb #08ffd2c5
 def gguf_to_hf_json(vocab: dict) -> dict:
     "A tokenizer.json (as a dict) that tokenizes like llama.cpp does with `vocab` (from `read_gguf_vocab`)."
@@ -194,23 +213,6 @@ def gguf_to_hf_json(vocab: dict) -> dict:
                                               "prepend_scheme": prefix, "split": True}, decoder=None)
     raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (gpt2, gemma4 and t5 are)")
 
-def _split(regex: str) -> dict:
-    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-
-def _bpe(vocab: dict, ignore_merges: bool, byte_fallback: bool) -> dict:
-    merges = [[m[:p], m[p + 1:]] for m in vocab["merges"] for p in [m.find(" ", 1)]]  # as llama.cpp splits them
-    return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": byte_fallback,
-            "ignore_merges": ignore_merges, "vocab": {t: i for i, t in enumerate(vocab["tokens"])}, "merges": merges}
-
-def _tokenizer_json(vocab: dict, model: dict, normalizer, pre_tokenizer, decoder, newline_runs=False) -> dict:
-    types = vocab.get("token_type") or [1] * len(vocab["tokens"])
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": ty == _CONTROL}
-             for i, (t, ty) in enumerate(zip(vocab["tokens"], types))
-             if ty in (_CONTROL, _USER_DEFINED) or (newline_runs and t and set(t) == {"\n"})]
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer, "post_processor": None, "decoder": decoder, "model": model}
 
 # %% ../../nbs/05_tokenizers.ipynb #c2dea4c9
 def gguf_to_hf(path: str | os.PathLike, name: str | None = None) -> HFTokenizer:
@@ -342,6 +344,8 @@ class TokenizerConfig:
             if value not in valid:
                 raise ConfigError(f"tokenizer.{key} must be one of {', '.join(valid)}, got {value!r}")
 
+
+# %% ../../nbs/05_tokenizers.ipynb #bec79bb0
 def available_tokenizers(cache_dir: str | os.PathLike | None = None) -> list[str]:
     "Names `load_tokenizer` can load now (bundled, cached conversions, ours)."
     cache = tokenizer_cache_dir(cache_dir)

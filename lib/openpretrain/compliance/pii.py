@@ -2,11 +2,8 @@
 
 # %% ../../../nbs/03_pii.ipynb #82b9c27b
 """PII anonymisation (Apertus §3.1.2): emails, IPs and ISO 13616 IBANs become markers; the public reference code is a mode.
-
-Exists because the corpus must carry no addresses or account numbers. Reads text (and data/pii/testset.jsonl,
-the labelled test set); writes nothing itself: `anonymize` returns the rewritten text and counts, and the
-datatrove step `PIIAnonymizer` records them in each document's metadata through the compliance ledger.
-"""
+Keeps addresses and account numbers out of the corpus. Reads text (and data/pii/testset.jsonl); writes nothing itself:
+`anonymize` returns text and counts, and `PIIAnonymizer` records them in each document's metadata (the ledger)."""
 from __future__ import annotations
 
 import ipaddress
@@ -193,6 +190,36 @@ def _iban_spans(text: str) -> Iterator[Span]:
         if _standalone(text, start, end, _ALNUM) and is_valid_iban(cand):
             yield Span(start, end, "iban")
 
+# %% ../../../nbs/03_pii.ipynb #ee35f69b
+_FOLD = str.maketrans({**{chr(c): chr(c - 0xFEE0) for c in range(0xFF01, 0xFF5F)},  # fullwidth ASCII
+                       **dict.fromkeys("\u00a0\u2007\u2009\u202f", " ")})      # no-break, figure, thin spaces
+_INVISIBLE = frozenset("\u00ad\u200b\u200c\u200d\u2060\ufeff")  # soft hyphen, zero-width chars, BOM
+
+def _folded(text: str) -> tuple[str, list[int] | None]:
+    "The view the finders search, and for each of its characters the original index (None: the same)."
+    view = text.translate(_FOLD)
+    if _INVISIBLE.isdisjoint(view):
+        return view, None
+    keep = [i for i, ch in enumerate(view) if ch not in _INVISIBLE]
+    return "".join(view[i] for i in keep), keep
+
+def _ours(text: str, kinds: tuple[str, ...], public_only: bool) -> list[Span]:
+    view, where = _folded(text)
+    found: list[Span] = []
+    if "email" in kinds and "@" in view:
+        found += _email_spans(view)
+    if "ip" in kinds:
+        found += _ipv4_spans(view, public_only)
+        found += _ipv6_spans(view, public_only)
+    if "iban" in kinds:
+        found += _iban_spans(view)
+    kept, end = [], 0
+    for s in sorted(found, key=lambda s: (s.start, -s.end)):
+        if s.start >= end:
+            kept.append(s if where is None else Span(where[s.start], where[s.end - 1] + 1, s.kind))
+            end = s.end
+    return kept
+
 # %% ../../../nbs/03_pii.ipynb #e5c8433e
 def find_pii(text: str, *, mode: str = "ours", kinds: Iterable[str] = KINDS,
              public_ips_only: bool = True) -> list[Span]:
@@ -234,36 +261,6 @@ def _checked(text, mode: str, kinds: Iterable[str]) -> tuple[str, ...]:
     return kinds
 
 
-# %% ../../../nbs/03_pii.ipynb #ee35f69b
-_FOLD = str.maketrans({**{chr(c): chr(c - 0xFEE0) for c in range(0xFF01, 0xFF5F)},  # fullwidth ASCII
-                       **dict.fromkeys("\u00a0\u2007\u2009\u202f", " ")})      # no-break, figure, thin spaces
-_INVISIBLE = frozenset("\u00ad\u200b\u200c\u200d\u2060\ufeff")  # soft hyphen, zero-width chars, BOM
-
-def _folded(text: str) -> tuple[str, list[int] | None]:
-    "The view the finders search, and for each of its characters the original index (None: the same)."
-    view = text.translate(_FOLD)
-    if _INVISIBLE.isdisjoint(view):
-        return view, None
-    keep = [i for i, ch in enumerate(view) if ch not in _INVISIBLE]
-    return "".join(view[i] for i in keep), keep
-
-def _ours(text: str, kinds: tuple[str, ...], public_only: bool) -> list[Span]:
-    view, where = _folded(text)
-    found: list[Span] = []
-    if "email" in kinds and "@" in view:
-        found += _email_spans(view)
-    if "ip" in kinds:
-        found += _ipv4_spans(view, public_only)
-        found += _ipv6_spans(view, public_only)
-    if "iban" in kinds:
-        found += _iban_spans(view)
-    kept, end = [], 0
-    for s in sorted(found, key=lambda s: (s.start, -s.end)):
-        if s.start >= end:
-            kept.append(s if where is None else Span(where[s.start], where[s.end - 1] + 1, s.kind))
-            end = s.end
-    return kept
-
 # %% ../../../nbs/03_pii.ipynb #883adf49
 APERTUS_PATTERNS = {  # swiss-ai/pretrain-data formatters/pii_formatter.py; email and IPv4 are datatrove's
     "email": r"\b[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@(?:(?:[A-Za-z0-9](?:["
@@ -273,27 +270,7 @@ APERTUS_PATTERNS = {  # swiss-ai/pretrain-data formatters/pii_formatter.py; emai
     "iban": r"[A-Z]{2}[0-9]{2}(?: [0-9]{4}){4} [A-Z0-9]{1,2}",
 }
 _APERTUS = {kind: re.compile(p) for kind, p in APERTUS_PATTERNS.items()}
-_BLANK = "\0"  # stands in for a replaced occurrence: no pattern matches it, and it is not a word character
 
-def _apertus(text: str, kinds: tuple[str, ...]) -> tuple[list[Span], dict[str, int]]:
-    work, spans, counts, seen = text, [], {k: 0 for k in kinds}, set()
-    for kind in (k for k in KINDS if k in kinds):
-        found = _apertus_emails(work) if kind == "email" else _APERTUS[kind].findall(work)
-        for value in found:
-            if value not in seen:
-                seen.add(value)
-                counts[kind] += 1
-                work = _replace_all(work, value, kind, spans)
-    return sorted(spans), counts
-
-def _replace_all(work: str, value: str, kind: str, spans: list[Span]) -> str:
-    "`str.replace(value, marker)`, with the occurrences blanked instead and recorded as spans."
-    parts, pos = [], 0
-    while (i := work.find(value, pos)) != -1:
-        parts += (work[pos:i], _BLANK * len(value))
-        spans.append(Span(i, i + len(value), kind))
-        pos = i + len(value)
-    return "".join([*parts, work[pos:]]) if parts else work
 
 # %% ../../../nbs/03_pii.ipynb #afd5369b
 _AP_ATOM = frozenset(string.ascii_letters + string.digits + "!#$%&'*+/=?^_`{|}~-")
@@ -322,6 +299,29 @@ def _apertus_local_start(s: str, pos: int, at: int) -> int | None:
 
 def _is_word(c: str) -> bool:
     return c.isalnum() or c == "_"
+
+# %% ../../../nbs/03_pii.ipynb #4e54266c
+_BLANK = "\0"  # stands in for a replaced occurrence: no pattern matches it, and it is not a word character
+
+def _apertus(text: str, kinds: tuple[str, ...]) -> tuple[list[Span], dict[str, int]]:
+    work, spans, counts, seen = text, [], {k: 0 for k in kinds}, set()
+    for kind in (k for k in KINDS if k in kinds):
+        found = _apertus_emails(work) if kind == "email" else _APERTUS[kind].findall(work)
+        for value in found:
+            if value not in seen:
+                seen.add(value)
+                counts[kind] += 1
+                work = _replace_all(work, value, kind, spans)
+    return sorted(spans), counts
+
+def _replace_all(work: str, value: str, kind: str, spans: list[Span]) -> str:
+    "`str.replace(value, marker)`, with the occurrences blanked instead and recorded as spans."
+    parts, pos = [], 0
+    while (i := work.find(value, pos)) != -1:
+        parts += (work[pos:i], _BLANK * len(value))
+        spans.append(Span(i, i + len(value), kind))
+        pos = i + len(value)
+    return "".join([*parts, work[pos:]]) if parts else work
 
 # %% ../../../nbs/03_pii.ipynb #e2430826
 class PIIAnonymizer(PipelineStep):
@@ -428,6 +428,8 @@ _WHOLE_TEXTS = [  # (group, text, [(value, kind, public)]): texts whose layout m
     ("negative-email-like", "Enable getty@tty2.service and modprobe@xyz.service.", []),
 ]
 
+
+# %% ../../../nbs/03_pii.ipynb #b043023c
 def build_testset(seed: int = 0) -> list[dict]:
     "Labelled PII test items: {id, lang, group, text, spans: [[start, end, kind, public]]} (public: IPs only)."
     rng, items = random.Random(seed), []
