@@ -9,7 +9,6 @@ import configparser
 import datetime as dt
 import html
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -138,7 +137,7 @@ def git_state() -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=project_root(), capture_output=True, text=True).stdout
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)outputs").splitlines()
-    return {"commit": git("rev-parse", "HEAD").strip() or "unknown", "tracked_changes": [l[3:] for l in changed]}
+    return {"commit": git("rev-parse", "HEAD").strip() or "unknown", "tracked_changes": [line[3:] for line in changed]}
 
 # %% ../../nbs/90_report.ipynb #4f51a829
 def collect_artifacts(out: Path, chapters: list[str]) -> list[dict]:
