@@ -33,12 +33,12 @@ def _report(args) -> int:
     return 0
 
 def _compliance(args) -> int:
-    from openpretrain.compliance.pipeline import run_compliance
     for flag in ("tasks", "workers"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     name = load_preset(args.preset).name  # a path to a preset file runs under the preset's own name
     out = args.output_dir or project_root() / "outputs" / name / "compliance"
+    from openpretrain.compliance.pipeline import run_compliance  # heavy: only once flags and preset are good
     run_compliance(preset=args.preset, tasks=args.tasks, workers=args.workers, output_dir=out)
     return 0
 
