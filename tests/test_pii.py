@@ -389,3 +389,10 @@ def test_fullwidth_ip_is_masked_and_cjk_local_parts_are_kept_by_decision():
 def test_a_mid_line_section_number_that_is_a_public_address_is_replaced_by_decision():
     assert anonymize("see 6.2.4.3 for details")[0] == "see <ip-pii> for details"
     assert anonymize("6.2.4.3. Mail forwarding")[0] == "6.2.4.3. Mail forwarding"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet="ab1_.-@ \x00é[]:!{2505", max_size=40))
+def test_the_linear_email_walk_equals_the_reference_patterns_findall(text):
+    from openpretrain.compliance.pii import _apertus_emails
+    assert _apertus_emails(text) == re.compile(APERTUS_PATTERNS["email"]).findall(text)
