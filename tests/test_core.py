@@ -1,12 +1,14 @@
 """Presets, typed configs and the report runner's settings, index and manifest."""
 import hashlib
 import json
+import subprocess
 from dataclasses import dataclass, field
 
 import pytest
 
-from openpretrain.core import ConfigError, from_dict, list_presets, load_preset
-from openpretrain.report import ReportSettings, check_settings, read_settings, write_index
+from openpretrain.core import ConfigError, bounded, from_dict, list_presets, load_preset
+from openpretrain.report import (ReportSettings, check_report, check_settings, compare_manifests, git_state,
+                                 read_settings, run_report, write_index)
 
 
 @dataclass(kw_only=True)
@@ -64,19 +66,26 @@ def test_unknown_preset_and_unknown_section_fail_clearly(tmp_path):
         load_preset("tiny").section("modle", Inner)
 
 
-def test_report_settings_reject_unknown_keys_and_missing_chapters(tmp_path):
+def test_report_settings_reject_unknown_keys_a_chapter_list_and_missing_chapters(tmp_path):
     ini = tmp_path / "s.ini"
     ini.write_text("[report]\npreset = tiny\nchapterz = 00_core\n")
     with pytest.raises(ConfigError, match="chapterz"):
         read_settings(ini)
-    ini.write_text("[report]\npreset = tiny\nchapters = 00_core 42_nope\n")
+    ini.write_text("[report]\npreset = tiny\nchapters = 00_core\n")
+    with pytest.raises(ConfigError, match="parameters cell is a chapter"):
+        read_settings(ini)
+    ini.write_text("[report]\nseed = abc\n")
+    with pytest.raises(ConfigError, match="s.ini"):
+        read_settings(ini)
     with pytest.raises(ConfigError, match="42_nope"):
-        check_settings(read_settings(ini))
+        check_settings(ReportSettings(chapters=["00_core", "42_nope"]))
     with pytest.raises(ConfigError, match="unknown preset"):
         check_settings(ReportSettings(preset="huge", chapters=["00_core"]))
+    with pytest.raises(ConfigError, match="cell_timeout"):
+        check_settings(ReportSettings(cell_timeout=0))
 
 
-def test_project_settings_list_existing_chapters_in_order():
+def test_project_settings_run_every_chapter_in_sorted_order():
     s = check_settings(read_settings())
     assert s.chapters == sorted(s.chapters) and s.chapters[0] == "00_core"
 
@@ -94,3 +103,161 @@ def test_manifest_lists_every_artifact_with_its_sha256(tmp_path):
                    for p in ("figures/01_corpus-langs.png", "tables/01_corpus-docs.csv")}
     page = index.read_text()
     assert "figures/01_corpus-langs.png" in page and "<table" in page and manifest["commit"] in page
+
+
+def test_manifest_lists_only_chapter_artifacts_and_keeps_seconds_out_of_the_tables(tmp_path):
+    out = tmp_path / "tiny"
+    for name in ("tables/01_corpus-docs.csv", "compliance/kept/00000.jsonl.gz", "tables/99_gone-old.csv",
+                 "notebooks/01_corpus.ipynb"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    write_index(ReportSettings(outputs=str(tmp_path), chapters=["01_corpus"]), {"01_corpus": 12.34})
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(a["path"] for a in manifest["artifacts"]) == ["notebooks/01_corpus.ipynb", "tables/01_corpus-docs.csv"]
+    assert manifest["runs"]["01_corpus"]["seconds"] == 12.3 and "seconds" not in json.dumps(manifest["artifacts"])
+    assert (out / "timings.csv").read_text().splitlines()[1].startswith("01_corpus,12.3,")
+    # a later partial run keeps the other chapter's timing as long as its artifacts are there
+    (out / "tables" / "02_robots-x.csv").write_text("y")
+    write_index(ReportSettings(outputs=str(tmp_path), chapters=["01_corpus", "02_robots"]), {"02_robots": 1.0})
+    runs = json.loads((out / "manifest.json").read_text())["runs"]
+    assert runs["01_corpus"]["seconds"] == 12.3 and runs["02_robots"]["seconds"] == 1.0
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_git_state_ignores_changes_under_outputs_but_names_other_changed_files(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "outputs" / "tiny").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    (repo / "outputs" / "tiny" / "manifest.json").write_text("{}")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    monkeypatch.setenv("OPENPRETRAIN_ROOT", str(repo))
+    (repo / "outputs" / "tiny" / "manifest.json").write_text('{"rewritten": true}')
+    assert git_state() == {"commit": git(repo, "rev-parse", "HEAD"), "tracked_changes": []}
+    (repo / "pyproject.toml").write_text("changed")
+    assert git_state()["tracked_changes"] == ["pyproject.toml"]
+
+
+def test_compare_manifests_names_every_differing_missing_and_new_table_or_figure():
+    def art(path, sha):
+        return {"path": path, "kind": path.split("/")[0], "chapter": path.split("/")[1].split("-")[0], "sha256": sha}
+    old = {"artifacts": [art("tables/00_core-a.csv", "1"), art("figures/00_core-b.png", "2"),
+                         art("notebooks/00_core.ipynb", "3"), art("tables/01_corpus-c.csv", "4")]}
+    new = {"artifacts": [art("tables/00_core-a.csv", "1"), art("figures/00_core-b.png", "X"),
+                         art("notebooks/00_core.ipynb", "Y"), art("tables/00_core-d.csv", "5")]}
+    assert compare_manifests(old, new, ["00_core"]) == [
+        "differs: figures/00_core-b.png", "not in the committed manifest: tables/00_core-d.csv"]
+    assert "missing from the rerun: tables/01_corpus-c.csv" in compare_manifests(old, new)
+
+
+def test_report_check_passes_on_a_deterministic_chapter_and_catches_a_changed_table(tmp_path):
+    s = ReportSettings(outputs=str(tmp_path), device="cpu")
+    run_report(s, only=["00_core"])
+    manifest = json.loads((s.out_dir / "manifest.json").read_text())
+    tables = [a for a in manifest["artifacts"] if a["kind"] == "tables"]
+    assert tables
+    tables[0]["sha256"] = "0" * 64  # as if the committed table had come out differently
+    (s.out_dir / "manifest.json").write_text(json.dumps(manifest))
+    # the rerun names the tampered table and nothing else: every other table and figure came out identical
+    assert check_report(s, only=["00_core"]) == [f"differs: {tables[0]['path']}"]
+
+
+def test_report_refuses_an_unwritable_outputs_folder(tmp_path):
+    (tmp_path / "a-file").write_text("")  # a folder cannot be made inside a file (permissions do not stop root)
+    with pytest.raises(ConfigError, match="cannot write to the outputs folder"):
+        run_report(ReportSettings(outputs=str(tmp_path / "a-file" / "sub")), only=["00_core"])
+
+
+@pytest.mark.parametrize("text,line,problem", [
+    ("preset: x\nmodel: [1, 2\n", 3, "invalid YAML"),               # unclosed bracket (reported where input ends)
+    ("preset: x\nmodel:\n\tdepth: 2\n", 3, "invalid YAML"),          # a tab for indentation
+    ("preset: x\ndescription: a\x00b\n", 2, "invalid YAML"),         # NUL
+    ("preset: x\nbomb: &a [1]\nb: *a\n", 2, "anchors and aliases"),  # the first step of an alias bomb
+    ("preset: x\nseed: abc\n", 2, "seed: expected a non-negative int"),
+    ("preset: x\nseed: -1\n", 2, "seed: expected a non-negative int"),
+    ("preset: x\ndevice: [cuda]\n", 2, "device: expected a str"),
+])
+def test_broken_presets_fail_with_the_file_and_line(tmp_path, text, line, problem):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"x.yaml:{line}: .*{problem}"):
+        load_preset(path)
+
+
+def test_non_utf8_presets_and_deep_nesting_are_refused_quickly(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"preset: x\ndescription: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_preset(path)
+    path.write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        load_preset(path)
+
+
+def test_a_billion_laughs_preset_is_refused_before_expansion(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match="anchors and aliases"):
+        load_preset(path)
+
+
+@dataclass(kw_only=True)
+class Bounded:
+    share: float = bounded(0.05, 0, 1)   # a fraction
+    count: int = bounded(8, 1)           # at least one
+    free: float = 1.0
+
+
+@pytest.mark.parametrize("data,problem", [({"share": 1.5}, r"share: 1.5 is outside \[0, 1\]"),
+                                          ({"share": float("nan")}, "NaN"), ({"free": float("nan")}, "NaN"),
+                                          ({"count": 0}, r"count: 0 is outside \[1, inf\]"),
+                                          ({"count": -3}, "outside")])
+def test_values_outside_a_declared_range_or_nan_are_refused(data, problem):
+    with pytest.raises(ConfigError, match=problem) as e:
+        from_dict(Bounded, data)
+    assert e.value.field == f"Bounded.{next(iter(data))}"
+    assert from_dict(Bounded, {"share": 1, "count": 1}) == Bounded(share=1.0, count=1)
+
+
+def test_a_bad_section_value_names_the_preset_file_and_line(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("preset: x\ncorpus:\n  name: ok\n  inner:\n    width: wide\n")
+    with pytest.raises(ConfigError, match=r"x.yaml:5: x.corpus.inner.width: expected int"):
+        load_preset(path).section("corpus", Outer)
+
+
+def one_line_error(capsys, argv) -> str:
+    from openpretrain.__main__ import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,problem", [
+    (["compliance", "--tasks", "0"], "--tasks must be at least 1"),
+    (["compliance", "--workers", "-2"], "--workers must be at least 1"),
+    (["compliance", "--preset", "some/path.yaml"], "no preset 'some/path.yaml'"),
+    (["report", "--preset", "some/path.yaml"], "unknown preset 'some/path.yaml'"),
+    (["report", "--outputs", "/dev/null/x", "--only", "00_core"], "cannot write to the outputs folder"),
+])
+def test_cli_refuses_bad_flags_with_exit_2_and_one_line(capsys, argv, problem):
+    assert problem in one_line_error(capsys, argv)
+
+
+def test_cli_compliance_runs_a_preset_file_under_the_preset_name(tmp_path, monkeypatch):
+    import openpretrain.compliance.pipeline as pipeline
+    from openpretrain.__main__ import main
+    seen = {}
+    monkeypatch.setattr(pipeline, "run_compliance", lambda **kw: seen.update(kw))
+    path = tmp_path / "mine.yaml"
+    path.write_text("preset: mine\n")
+    assert main(["compliance", "--preset", str(path)]) == 0
+    assert seen["output_dir"].parts[-2:] == ("mine", "compliance") and seen["preset"] == str(path)

@@ -4,6 +4,7 @@ import ipaddress
 import random
 import re
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,89 @@ def test_precision_recall_scores_a_corrupted_neighbour_as_an_error():
     assert (rows["ip"]["tp"], rows["ip"]["fp"], rows["ip"]["fn"]) == (1, 1, 1)
     rows = {r["kind"]: r for r in precision_recall([item], mode="ours", public_ips_only=True)}
     assert (rows["ip"]["tp"], rows["ip"]["fp"], rows["ip"]["fn"]) == (1, 0, 0)
+
+
+# --- hardening: linear-time replay, types, hidden and non-ASCII forms -------------------------------------
+
+HOSTILE = ["1." * 50_000, "a-" * 50_000, "1." * 50_000 + "@", "a-" * 25_000 + "@x", "a." * 50_000 + "@-",
+           "@a-" * 30_000, "1.1.1.1 " * 12_000, "x" * 100_000 + "@" + "a" * 100]
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=lambda t: f"{t[:6]!r}x{len(t)}")
+def test_apertus_mode_is_linear_on_hostile_input(text):
+    for mode in ("apertus", "ours"):
+        start = time.perf_counter()
+        anonymize(text, mode=mode)
+        assert time.perf_counter() - start < 1.0, mode
+
+
+HOSTILE_FRAGMENTS = [*FRAGMENTS, "-", "a-", "..", "1.", "_", "é", "a.b", "!", "x@", "@-", "[1.2.3.4]", "\u00a0"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(HOSTILE_FRAGMENTS), max_size=16).map("".join))
+def test_apertus_mode_equals_the_transcribed_reference_on_dotted_and_hyphenated_runs(text):
+    out, counts = anonymize(text, mode="apertus")
+    assert (out, sum(counts.values())) == reference_pii_formatter(text)
+
+
+def test_apertus_mode_equals_the_reference_on_a_corpus_sample():
+    from openpretrain.corpus import load_embedded
+    frame = load_embedded("train").to_pandas()
+    texts = [t for t in frame.text if len(t) < 20_000 and ("@" in t or t.count(".") > 20)][:400]
+    assert len(texts) > 100
+    for text in texts:
+        out, counts = anonymize(text, mode="apertus")
+        assert (out, sum(counts.values())) == reference_pii_formatter(text)
+
+
+@pytest.mark.parametrize("bad", [None, b"anna@uzh.ch", 42, ["a@b.ch"]])
+def test_anonymize_refuses_anything_but_text(bad):
+    for mode in ("ours", "apertus"):
+        with pytest.raises(TypeError, match="needs a str"):
+            anonymize(bad, mode=mode)
+        with pytest.raises(TypeError, match="needs a str"):
+            find_pii(bad, mode=mode)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("Mail anna\u200b.meier@uzh.ch now", "anna\u200b.meier@uzh.ch"),           # zero-width space
+    ("Mail so\u00adphie@exem\u00adple.fr now", "so\u00adphie@exem\u00adple.fr"),   # soft hyphens
+    ("Mail anna@uzh\u2060.ch now", "anna@uzh\u2060.ch"),                          # word joiner
+    ("Mail bob\uff20example.com now", "bob\uff20example.com"),                    # fullwidth @
+    ("Mail ｂｏｂ＠ｅｘａｍｐｌｅ．ｃｏｍ now", "ｂｏｂ＠ｅｘａｍｐｌｅ．ｃｏｍ"),  # all fullwidth
+    ("Mail info@bücher.de now", "info@bücher.de"),                                # internationalised domain
+    ("Пишите иван@почта.рф сегодня", "иван@почта.рф"),                            # Cyrillic local part and TLD
+    ("Γράψτε στο δοκιμή@παράδειγμα.δοκιμή σήμερα", "δοκιμή@παράδειγμα.δοκιμή"),   # Greek
+])
+def test_hidden_fullwidth_and_international_emails_are_masked(text, value):
+    assert anonymize(text)[0] == text.replace(value, "<email-pii>")
+
+
+@pytest.mark.parametrize("space", ["\u00a0", "\u202f", "\u2009"])
+def test_ibans_grouped_with_no_break_or_thin_spaces_are_masked(space):
+    iban = "DE89 3704 0044 0532 0130 00".replace(" ", space)
+    assert anonymize(f"Konto {iban}.")[0] == "Konto <iban-pii>."
+
+
+@pytest.mark.parametrize("iban", ["de89 3704 0044 0532 0130 00", "ch9300762011623852957", "Gb82 West 1234 5698 7654 32"])
+def test_lower_and_mixed_case_ibans_are_masked(iban):
+    assert anonymize(f"IBAN {iban}.")[0] == "IBAN <iban-pii>."
+    assert anonymize(f"IBAN {iban[:-1]}9.")[0] == f"IBAN {iban[:-1]}9."  # one character off: checksum fails
+
+
+def test_fullwidth_ip_is_masked_and_cjk_local_parts_are_kept_by_decision():
+    assert anonymize("DNS ８.８.８.８ ok")[0] == "DNS <ip-pii> ok"
+    assert anonymize("写信给用户@例子.广告")[0] == "写信给用户@例子.广告"  # no space marks where the address starts
+
+
+def test_a_mid_line_section_number_that_is_a_public_address_is_replaced_by_decision():
+    assert anonymize("see 6.2.4.3 for details")[0] == "see <ip-pii> for details"
+    assert anonymize("6.2.4.3. Mail forwarding")[0] == "6.2.4.3. Mail forwarding"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet="ab1_.-@ \x00é[]:!{2505", max_size=40))
+def test_the_linear_email_walk_equals_the_reference_patterns_findall(text):
+    from openpretrain.compliance.pii import _apertus_emails
+    assert _apertus_emails(text) == re.compile(APERTUS_PATTERNS["email"]).findall(text)
