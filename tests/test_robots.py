@@ -713,3 +713,14 @@ def test_a_retry_after_beyond_the_bound_ends_the_attempts_as_a_429(scripted):
     assert time.monotonic() - t0 < 3 and len(_Scripted.times) == 1
     assert snap.iloc[0].http_status == 429 and "Retry-After 3600" in snap.iloc[0].fetch_error
     assert not RobotsOracle(snap, RobotsConfig(policy="rfc9309")).decide(f"http://{host}/p").kept
+
+
+@pytest.mark.parametrize("stated, bound, gap", [("1", 30.0, (0.95, 3.0)), ("3600", 0.5, (0.45, 2.0))])
+def test_crawl_delay_spaces_the_next_request_to_that_host_within_a_bound(scripted, stated, bound, gap):
+    from openpretrain.compliance.robots import Politeness
+    host = scripted((200, [], f"User-agent: *\nCrawl-delay: {stated}\nDisallow: /x\n".encode()))
+    polite = Politeness(delay=0, max_crawl_delay=bound)
+    for _ in range(2):
+        snap = fetch_robots([host], scheme="http", timeout=2, retries=0, politeness=polite)
+        assert snap.iloc[0].http_status == 200
+    assert gap[0] <= _Scripted.times[1] - _Scripted.times[0] < gap[1]

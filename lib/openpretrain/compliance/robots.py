@@ -17,6 +17,8 @@ import math
 import re
 import socket
 import threading
+import time
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,10 +37,10 @@ from ..corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, registrable_domain
 
 # %% auto #0
 __all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
-           'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'parse_robots', 'is_allowed', 'group_applies',
+           'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
            'group_applied_before_07', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text', 'RobotsConfig',
            'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains', 'fetch_robots',
-           'fetch_robots_async', 'write_snapshot', 'read_snapshot']
+           'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
 
 # %% ../../../nbs/02_robots.ipynb #74ecbc2b
 WILDCARD = "*"  # the generic group, checked when RobotsConfig.wildcard is on
@@ -375,17 +377,20 @@ async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", con
                              timeout: float = 10.0, retries: int = 2, backoff: float = 1.0, delay: float = 1.0,
                              max_redirects: int = 5, max_bytes: int = MAX_ROBOTS_BYTES,
                              user_agent: str = FETCH_USER_AGENT, max_retry_after: float = MAX_RETRY_AFTER,
-                             public_only: bool = False, allow_networks: Iterable[str] = ()) -> pd.DataFrame:
+                             public_only: bool = False, allow_networks: Iterable[str] = (),
+                             politeness: Politeness | None = None) -> pd.DataFrame:
     """The asynchronous fetcher: bounded concurrency, per-host politeness, timeouts, retries (Retry-After honoured up
     to `max_retry_after`), ≤5 redirects, capped bodies. Redirects to loopback, private, link-local or reserved
     addresses are refused (SSRF); `public_only` refuses such hosts themselves too; `allow_networks` (CIDR) exempts
-    networks from both, e.g. a test server on 127.0.0.1. A host that cannot be fetched is a row saying why."""
+    networks from both, e.g. a test server on 127.0.0.1. A host that cannot be fetched is a row saying why.
+    `politeness`: a `Politeness` kept across calls (its own delay replaces `delay`), so that a fetched file's
+    Crawl-delay spaces the next requests to that host."""
     import httpx
     if scheme not in ("http", "https"):
         raise ValueError(f"only http and https are fetched, got scheme={scheme!r}")
-    gate, polite = asyncio.Semaphore(concurrency), _Politeness(delay)
+    gate, polite = asyncio.Semaphore(concurrency), politeness or Politeness(delay)
     fetch = _Fetcher(timeout, retries, backoff, max_redirects, max_bytes, polite, max_retry_after,
-                     _AddressGuard([ipaddress.ip_network(n) for n in allow_networks]), public_only)
+                     _AddressGuard([ipaddress.ip_network(n) for n in allow_networks]), public_only, user_agent)
     async with httpx.AsyncClient(headers={"User-Agent": user_agent}, follow_redirects=False, trust_env=False,
                                  timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def one(raw) -> dict:
@@ -438,21 +443,33 @@ class _AddressGuard:
                 return f"{parts.hostname} resolves to non-public address {ip}"
         return ""
 
-class _Politeness:
-    "One request at a time per host, `delay` seconds apart."
-    def __init__(self, delay: float):
-        self.delay, self.locks, self.last = delay, defaultdict(asyncio.Lock), {}
+MAX_CRAWL_DELAY = 30.0  # seconds: the longest Crawl-delay honoured (RFC 9309 leaves it undefined; Google ignores it)
+
+class Politeness:
+    """One request at a time per host, `delay` seconds apart — or the host's Crawl-delay for our agent, once a fetched
+    robots.txt states one (at most `max_crawl_delay`). Keep one across fetches to stay polite between them."""
+    def __init__(self, delay: float = 1.0, max_crawl_delay: float = MAX_CRAWL_DELAY):
+        self.delay, self.max_crawl_delay = delay, max_crawl_delay
+        self.last, self.crawl_delay = {}, {}  # host → time.monotonic() of its last request / its Crawl-delay
+        self._locks = weakref.WeakKeyDictionary()  # event loop → host → lock (asyncio locks belong to one loop)
+
+    def honour(self, host: str, robots_txt: str, user_agent: str) -> None:
+        "Space the next requests to `host` by the Crawl-delay its robots.txt gives `user_agent` (bounded)."
+        with contextlib.suppress(ValueError, TypeError):
+            if (d := parse_robots(robots_txt).crawl_delay(user_agent)) is not None and float(d) >= 0:
+                self.crawl_delay[host] = min(float(d), self.max_crawl_delay)
 
     @contextlib.asynccontextmanager
     async def slot(self, host: str):
-        loop = asyncio.get_running_loop()
-        async with self.locks[host]:
-            if (wait := self.last.get(host, -math.inf) + self.delay - loop.time()) > 0:
+        locks = self._locks.setdefault(asyncio.get_running_loop(), defaultdict(asyncio.Lock))
+        async with locks[host]:
+            gap = max(self.delay, self.crawl_delay.get(host, 0.0))
+            if (wait := self.last.get(host, -math.inf) + gap - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
             try:
                 yield
             finally:
-                self.last[host] = loop.time()
+                self.last[host] = time.monotonic()
 
 # %% ../../../nbs/02_robots.ipynb #4c034823
 @dataclass
@@ -462,10 +479,11 @@ class _Fetcher:
     backoff: float
     max_redirects: int
     max_bytes: int
-    polite: _Politeness
+    polite: Politeness
     max_retry_after: float
     guard: _AddressGuard
     public_only: bool
+    user_agent: str
 
     async def origin(self, client, raw, scheme: str) -> dict:
         "The row of one host or origin; a host that cannot be fetched at all is a row with the reason."
@@ -500,6 +518,9 @@ class _Fetcher:
                 break
             url = target
             chain.append(url)
+        if 200 <= status < 300 and (text := robots_text(body, self.max_bytes)[0]) is not None:
+            for netloc in {host, urlsplit(url).netloc}:
+                self.polite.honour(netloc, text, self.user_agent)
         return _row(host, start, chain, url, status, content_type, body if 200 <= status < 300 else b"", error)
 
 # %% ../../../nbs/02_robots.ipynb #aee7a3f0
