@@ -80,39 +80,6 @@ CORPUS_FILES = {  # output name → relative path under data/
 }
 
 # %% ../../nbs/01_corpus.ipynb #d1ad31fb
-def corpus_files(split: str = "train", root: str | os.PathLike | None = None) -> list[Path]:
-    "The Parquet file(s) of a split of the embedded corpus."
-    if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}'; splits: {', '.join(SPLITS)}")
-    return [_existing(root, CORPUS_FILES[split])]
-
-def load_embedded(split: str = "train", languages: Iterable[str] | None = None,
-                  root: str | os.PathLike | None = None):
-    "A split of the embedded corpus as an in-memory `datasets.Dataset`; `languages`: ISO 639-3 (`deu`) or `deu_Latn`."
-    import datasets
-    import pyarrow.compute as pc
-    (path,) = corpus_files(split, root)
-    table = _read_checked(path, DOC_SCHEMA)
-    if languages is not None:
-        keep = pa.array(_language_list(languages), type=pa.string())
-        pairs = pc.binary_join_element_wise(table["language"], table["language_script"], "_")
-        table = table.filter(pc.or_(pc.is_in(table["language"], keep), pc.is_in(pairs, keep)))
-    return datasets.Dataset(table)
-
-def load_udhr(root: str | os.PathLike | None = None):
-    "The article-aligned UDHR table (one row per complete version and article; article 0 = preamble)."
-    return _read_checked(_existing(root, CORPUS_FILES["udhr"]), UDHR_SCHEMA).to_pandas()
-
-def load_probes(root: str | os.PathLike | None = None):
-    "The King James memorisation probes: `held_out` (absent from the corpus) and `canonical` (present in variants)."
-    return _read_checked(_existing(root, CORPUS_FILES["probes"]), PROBE_SCHEMA).to_pandas()
-
-def load_robots_snapshot(root: str | os.PathLike | None = None):
-    "The January-2025 robots.txt snapshot, one row per host; `http_status` is nullable (network errors)."
-    df = _read_checked(_existing(root, CORPUS_FILES["robots"]), ROBOTS_SCHEMA).to_pandas()
-    df["http_status"] = df["http_status"].astype("Int64")
-    return df
-
 def _existing(root, rel: str) -> Path:
     path = Path(root or data_dir()) / rel
     if not path.is_file():
@@ -152,6 +119,41 @@ def _check_types(have: pa.Schema, want: pa.Schema, where) -> None:
 def _check_columns(have, need, where) -> None:
     if missing := [c for c in need if c not in set(have)]:
         raise ValueError(f"{where}: missing column(s) {', '.join(missing)}; has {', '.join(have)}")
+
+# %% ../../nbs/01_corpus.ipynb #80a9d948
+def corpus_files(split: str = "train", root: str | os.PathLike | None = None) -> list[Path]:
+    "The Parquet file(s) of a split of the embedded corpus."
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}'; splits: {', '.join(SPLITS)}")
+    return [_existing(root, CORPUS_FILES[split])]
+
+def load_embedded(split: str = "train", languages: Iterable[str] | None = None,
+                  root: str | os.PathLike | None = None):
+    "A split of the embedded corpus as an in-memory `datasets.Dataset`; `languages`: ISO 639-3 (`deu`) or `deu_Latn`."
+    import datasets
+    import pyarrow.compute as pc
+    (path,) = corpus_files(split, root)
+    table = _read_checked(path, DOC_SCHEMA)
+    if languages is not None:
+        keep = pa.array(_language_list(languages), type=pa.string())
+        pairs = pc.binary_join_element_wise(table["language"], table["language_script"], "_")
+        table = table.filter(pc.or_(pc.is_in(table["language"], keep), pc.is_in(pairs, keep)))
+    return datasets.Dataset(table)
+
+# %% ../../nbs/01_corpus.ipynb #e33fdaae
+def load_udhr(root: str | os.PathLike | None = None):
+    "The article-aligned UDHR table (one row per complete version and article; article 0 = preamble)."
+    return _read_checked(_existing(root, CORPUS_FILES["udhr"]), UDHR_SCHEMA).to_pandas()
+
+def load_probes(root: str | os.PathLike | None = None):
+    "The King James memorisation probes: `held_out` (absent from the corpus) and `canonical` (present in variants)."
+    return _read_checked(_existing(root, CORPUS_FILES["probes"]), PROBE_SCHEMA).to_pandas()
+
+def load_robots_snapshot(root: str | os.PathLike | None = None):
+    "The January-2025 robots.txt snapshot, one row per host; `http_status` is nullable (network errors)."
+    df = _read_checked(_existing(root, CORPUS_FILES["robots"]), ROBOTS_SCHEMA).to_pandas()
+    df["http_status"] = df["http_status"].astype("Int64")
+    return df
 
 # %% ../../nbs/01_corpus.ipynb #ff02a392
 FINEWEB_HUB = ("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb-2", "HuggingFaceFW/fineweb-edu")

@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 import pandas as pd
+from fastcore.basics import patch
 from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from protego import Protego
@@ -71,6 +72,7 @@ class _ParseCache:
             self.items.clear()
             self.chars = 0
 
+# %% ../../../nbs/02_robots.ipynb #ebf8f76e
 _PARSED = _ParseCache(PARSE_CACHE_CHARS)
 
 def parse_robots(robots_txt: str) -> Protego:
@@ -115,6 +117,7 @@ class RobotsFile:
     why: str               # http-200, http-404, html, binary, redirects, http-503, network, …
     text: str | None = None
 
+# %% ../../../nbs/02_robots.ipynb #dbd28f7d
 def robots_file(http_status, body: bytes | str | None, max_bytes: int = MAX_ROBOTS_BYTES) -> RobotsFile:
     "Classify one fetch result (final HTTP status — None/NA/0 for a network failure — and body) as a `RobotsFile`."
     code = _status_code(http_status)
@@ -143,6 +146,7 @@ def _status_code(value) -> int | None:
         return None
     return code if not isinstance(value, bool) and 100 <= code <= 599 or code == 0 else None
 
+# %% ../../../nbs/02_robots.ipynb #31fe4d1f
 def robots_text(body: bytes | str | None, max_bytes: int = MAX_ROBOTS_BYTES) -> tuple[str | None, str]:
     "The parseable text of a 2xx body (first `max_bytes`, whole lines only) or (None, 'html' | 'binary')."
     data = (body or b"").encode("utf-8") if isinstance(body, str) else bytes(body or b"")
@@ -190,6 +194,7 @@ class RobotsDecision:
     rule: str = ""                  # url | root:<host> (domain mode) | policy:<status>/<why>
     host: str | None = None
 
+# %% ../../../nbs/02_robots.ipynb #7a5aa09e
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def whatwg_url(url: str) -> str:
@@ -244,66 +249,76 @@ class RobotsOracle:
             self._files[host] = robots_file(*self._rows[host], max_bytes=self.config.max_bytes)
         return self._files.get(host)
 
-    def decide(self, url: str) -> RobotsDecision:
-        "Keep or remove the document at `url`, and why."
-        try:
-            url = whatwg_url(url or "")
-            host = host_key(url)
-        except (ValueError, AttributeError, TypeError):
-            return RobotsDecision(True, "bad-url")
-        if host is None:
-            return RobotsDecision(True, "no-host")
-        if self.config.mode == "domain":
-            return self._decide_domain(host)
-        f = self.file(host)
-        if f is None:
-            return RobotsDecision(True, "no-robots", host=host)
-        if f.status != "ok":
-            return self._missing(f, host)
-        agents = tuple(a for a in self.config.checked_agents if not is_allowed(f.text, url, a))
-        return RobotsDecision(not agents, "disallowed-url" if agents else "allowed", agents,
-                              "url" if agents else "", host)
-
-    def root_blocked_agents(self, host: str) -> tuple[str, ...]:
-        "Checked agents that may not fetch `host`'s root `/` (its own file; policy denials are not agents)."
-        f = self.file(host)
-        if f is None or f.status != "ok":
-            return ()
-        return tuple(a for a in self.config.checked_agents if not is_allowed(f.text, f"http://{host}/", a))
-
-    def _missing(self, f: RobotsFile, host: str) -> RobotsDecision:
-        denied = getattr(self.policy, f.status) == "disallow"
-        return RobotsDecision(not denied, f.status, (), f"policy:{f.status}/{f.why}", host)
-
-    def _decide_domain(self, host: str) -> RobotsDecision:
-        if self._blocked is None:
-            self._blocked = self._blocked_units()
-        unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
-        if unit in self._blocked:
-            agents, rule = self._blocked[unit]
-            return RobotsDecision(False, "blocked-domain", agents, rule, host)
-        f = self.file(host)
-        if f is None:
-            return RobotsDecision(True, "no-robots", host=host)
-        return self._missing(f, host) if f.status != "ok" else RobotsDecision(True, "allowed", host=host)
-
-    def _blocked_units(self) -> dict[str, tuple[tuple[str, ...], str]]:
-        "Hosts (or registrable domains) whose root some checked agent may not fetch → (agents, rule)."
-        blocked: dict[str, tuple[tuple[str, ...], str]] = {}
-        for host in self._rows:
-            agents = self.root_blocked_agents(host)
-            if not agents:
-                continue
-            unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
-            prev, rule = blocked.get(unit, ((), f"root:{host}"))
-            blocked[unit] = (tuple(dict.fromkeys(prev + agents)), rule)
-        return blocked
-
 def _snapshot_date(snapshot: pd.DataFrame) -> str:
     "The label of a snapshot: the date of its latest fetch (YYYY-MM-DD), 'undated' without `fetched_at`."
     if "fetched_at" not in snapshot or snapshot["fetched_at"].isna().all():
         return "undated"
     return str(pd.to_datetime(snapshot["fetched_at"], utc=True).max().date())
+
+# %% ../../../nbs/02_robots.ipynb #2795f8fe
+@patch
+def decide(self: RobotsOracle, url: str) -> RobotsDecision:
+    "Keep or remove the document at `url`, and why."
+    try:
+        url = whatwg_url(url or "")
+        host = host_key(url)
+    except (ValueError, AttributeError, TypeError):
+        return RobotsDecision(True, "bad-url")
+    if host is None:
+        return RobotsDecision(True, "no-host")
+    if self.config.mode == "domain":
+        return self._decide_domain(host)
+    f = self.file(host)
+    if f is None:
+        return RobotsDecision(True, "no-robots", host=host)
+    if f.status != "ok":
+        return self._missing(f, host)
+    agents = tuple(a for a in self.config.checked_agents if not is_allowed(f.text, url, a))
+    return RobotsDecision(not agents, "disallowed-url" if agents else "allowed", agents,
+                          "url" if agents else "", host)
+
+
+@patch
+def _missing(self: RobotsOracle, f: RobotsFile, host: str) -> RobotsDecision:
+    denied = getattr(self.policy, f.status) == "disallow"
+    return RobotsDecision(not denied, f.status, (), f"policy:{f.status}/{f.why}", host)
+
+# %% ../../../nbs/02_robots.ipynb #e767ab9a
+@patch
+def root_blocked_agents(self: RobotsOracle, host: str) -> tuple[str, ...]:
+    "Checked agents that may not fetch `host`'s root `/` (its own file; policy denials are not agents)."
+    f = self.file(host)
+    if f is None or f.status != "ok":
+        return ()
+    return tuple(a for a in self.config.checked_agents if not is_allowed(f.text, f"http://{host}/", a))
+
+
+@patch
+def _decide_domain(self: RobotsOracle, host: str) -> RobotsDecision:
+    if self._blocked is None:
+        self._blocked = self._blocked_units()
+    unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
+    if unit in self._blocked:
+        agents, rule = self._blocked[unit]
+        return RobotsDecision(False, "blocked-domain", agents, rule, host)
+    f = self.file(host)
+    if f is None:
+        return RobotsDecision(True, "no-robots", host=host)
+    return self._missing(f, host) if f.status != "ok" else RobotsDecision(True, "allowed", host=host)
+
+
+@patch
+def _blocked_units(self: RobotsOracle) -> dict[str, tuple[tuple[str, ...], str]]:
+    "Hosts (or registrable domains) whose root some checked agent may not fetch → (agents, rule)."
+    blocked: dict[str, tuple[tuple[str, ...], str]] = {}
+    for host in self._rows:
+        agents = self.root_blocked_agents(host)
+        if not agents:
+            continue
+        unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
+        prev, rule = blocked.get(unit, ((), f"root:{host}"))
+        blocked[unit] = (tuple(dict.fromkeys(prev + agents)), rule)
+    return blocked
 
 # %% ../../../nbs/02_robots.ipynb #5cdffe2c
 class RobotsFilter(BaseFilter):
@@ -401,6 +416,7 @@ async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", con
     snapshot["http_status"] = snapshot["http_status"].astype("Int64")
     return snapshot
 
+# %% ../../../nbs/02_robots.ipynb #2a88b79a
 def _unique(hosts) -> list:
     "Hosts in order, duplicates dropped; anything unhashable or odd kept, to become a row that says what is wrong."
     seen, out = set(), []
@@ -443,6 +459,7 @@ class _AddressGuard:
                 return f"{parts.hostname} resolves to non-public address {ip}"
         return ""
 
+# %% ../../../nbs/02_robots.ipynb #e9a2575d
 MAX_CRAWL_DELAY = 30.0  # seconds: the longest Crawl-delay honoured (RFC 9309 leaves it undefined; Google ignores it)
 
 class Politeness:
@@ -497,31 +514,33 @@ class _Fetcher:
         except Exception as e:  # noqa: BLE001 — one host's unforeseen failure must not lose the other rows
             return _row(host, url, [], url, 0, "", b"", f"{type(e).__name__}: {e}"[:200])
 
-    async def host(self, client, host: str, url: str) -> dict:
-        "Follow ≤ max_redirects redirects from `url`, never to a non-public address; the snapshot row of `host`."
-        start, chain = url, []
-        if self.public_only and (why := await self.guard.refusal(url)):
-            return _row(host, start, chain, url, 0, "", b"", f"refused: {why}")
-        while True:
-            status, location, content_type, body, error = await self.attempts(client, url)
-            if status not in REDIRECTS:
-                break
-            target = urljoin(url, location or "")
-            if not location or urlsplit(target).scheme not in ("http", "https"):
-                error = f"redirect to unusable location {location!r}"
-                break
-            if len(chain) == self.max_redirects:
-                error = f"too many redirects (more than {self.max_redirects})"
-                break
-            if why := await self.guard.refusal(target):
-                error = f"redirect refused: {why}"
-                break
-            url = target
-            chain.append(url)
-        if 200 <= status < 300 and (text := robots_text(body, self.max_bytes)[0]) is not None:
-            for netloc in {host, urlsplit(url).netloc}:
-                self.polite.honour(netloc, text, self.user_agent)
-        return _row(host, start, chain, url, status, content_type, body if 200 <= status < 300 else b"", error)
+# %% ../../../nbs/02_robots.ipynb #b107c079
+@patch
+async def host(self: _Fetcher, client, host: str, url: str) -> dict:
+    "Follow ≤ max_redirects redirects from `url`, never to a non-public address; the snapshot row of `host`."
+    start, chain = url, []
+    if self.public_only and (why := await self.guard.refusal(url)):
+        return _row(host, start, chain, url, 0, "", b"", f"refused: {why}")
+    while True:
+        status, location, content_type, body, error = await self.attempts(client, url)
+        if status not in REDIRECTS:
+            break
+        target = urljoin(url, location or "")
+        if not location or urlsplit(target).scheme not in ("http", "https"):
+            error = f"redirect to unusable location {location!r}"
+            break
+        if len(chain) == self.max_redirects:
+            error = f"too many redirects (more than {self.max_redirects})"
+            break
+        if why := await self.guard.refusal(target):
+            error = f"redirect refused: {why}"
+            break
+        url = target
+        chain.append(url)
+    if 200 <= status < 300 and (text := robots_text(body, self.max_bytes)[0]) is not None:
+        for netloc in {host, urlsplit(url).netloc}:
+            self.polite.honour(netloc, text, self.user_agent)
+    return _row(host, start, chain, url, status, content_type, body if 200 <= status < 300 else b"", error)
 
 # %% ../../../nbs/02_robots.ipynb #aee7a3f0
 def _row(host, url, chain, final, status, content_type, body, error) -> dict:
@@ -529,7 +548,8 @@ def _row(host, url, chain, final, status, content_type, body, error) -> dict:
             "content_type": content_type, "body": body, "fetched_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "fetch_error": error}
 
-async def _attempts(self, client, url: str):
+@patch
+async def attempts(self: _Fetcher, client, url: str):
     "One GET with retries on transient failures: (status, location, content type, body, error)."
     import httpx
     for attempt in range(self.retries + 1):
@@ -547,7 +567,9 @@ async def _attempts(self, client, url: str):
         await asyncio.sleep(max(self.backoff * 2 ** attempt, wait or 0))
     return result
 
-async def _get(self, client, url: str) -> tuple[int, str | None, str, bytes, float | None]:
+# %% ../../../nbs/02_robots.ipynb #65245ee2
+@patch
+async def get(self: _Fetcher, client, url: str) -> tuple[int, str | None, str, bytes, float | None]:
     "Stream one response, keeping at most max_bytes of its (decoded) body; its Retry-After in seconds."
     async with client.stream("GET", url) as r:
         body = bytearray()
@@ -568,8 +590,6 @@ def _retry_after(value: str | None) -> float | None:
     with contextlib.suppress(ValueError, TypeError, OverflowError):
         return max(0.0, (parsedate_to_datetime(value) - dt.datetime.now(dt.UTC)).total_seconds())
     return None
-
-_Fetcher.attempts, _Fetcher.get = _attempts, _get
 
 # %% ../../../nbs/02_robots.ipynb #7167f6a9
 def write_snapshot(snapshot: pd.DataFrame, path: str | Path) -> Path:
