@@ -724,3 +724,56 @@ def test_crawl_delay_spaces_the_next_request_to_that_host_within_a_bound(scripte
         snap = fetch_robots([host], scheme="http", timeout=2, retries=0, politeness=polite)
         assert snap.iloc[0].http_status == 200
     assert gap[0] <= _Scripted.times[1] - _Scripted.times[0] < gap[1]
+
+
+# --- strict RFC 9309 matching (cases written from the RFC text and Google's documented parser behaviour) --------
+
+def strict(txt: str, path: str, agent: str = "GPTBot") -> bool:
+    from openpretrain.compliance.robots import strict_allowed
+    return strict_allowed(txt, f"https://a.org{path}", agent)
+
+
+def test_strict_user_agent_line_counts_by_its_first_product_token_only():
+    assert not strict("User-agent: GPTBot FOO BAR\nDisallow: /\n", "/x")             # "GPTBot FOO BAR" is gptbot
+    assert strict("User-agent: FOO GPTBot\nDisallow: /\n", "/x")                      # ... and "FOO GPTBot" is foo
+    assert not strict("User-agent: ccbot/2.0\nDisallow: /\n", "/x", "CCBot")          # the version is not the token
+    assert not strict("User-agent: gPtBoT\nDisallow: /\n", "/x")                      # case-insensitive (§2.2.1)
+
+
+def test_strict_unknown_directives_do_not_close_a_group():
+    txt = "User-agent: GPTBot\nCrawl-delay: 5\nSitemap: https://a.org/s.xml\nUser-agent: CCBot\nDisallow: /p\n"
+    assert not strict(txt, "/p") and not strict(txt, "/p", "CCBot")
+
+
+def test_strict_groups_for_one_agent_merge_and_named_groups_replace_the_star_group():
+    txt = "User-agent: *\nDisallow: /s\n\nUser-agent: GPTBot\nDisallow: /a\n\nUser-agent: gptbot\nDisallow: /b\n"
+    assert not strict(txt, "/a") and not strict(txt, "/b") and strict(txt, "/s")
+    assert not strict(txt, "/s", "CCBot") and strict(txt, "/a", "CCBot")
+
+
+def test_strict_percent_escapes_and_non_ascii_are_normalised_before_matching():
+    assert not strict("User-agent: *\nDisallow: /ä\n", "/%C3%A4/x")
+    assert not strict("User-agent: *\nDisallow: /%c3%a4\n", "/ä")
+    assert not strict("User-agent: *\nDisallow: /a%2fb\n", "/a%2Fb")
+    assert strict("User-agent: *\nDisallow: /ä\n", "/a")
+
+
+def test_strict_longest_match_allow_on_ties_wildcards_and_anchor():
+    txt = "User-agent: *\nDisallow: /p\nAllow: /p/ok\nDisallow: /t\nAllow: /t\nDisallow: /*.pdf$\nDisallow:\n"
+    assert not strict(txt, "/p/x") and strict(txt, "/p/ok/1") and strict(txt, "/t/1")   # longest; Allow wins a tie
+    assert not strict(txt, "/doc/a.pdf") and strict(txt, "/doc/a.pdf?x=1")              # `*` and `$`
+    assert strict(txt, "/robots.txt") and strict("User-agent: *\nDisallow: /\n", "/robots.txt")
+    assert strict("User-agent: other\nDisallow: /\n", "/x")                              # no group applies: allowed
+
+
+def test_strict_colonless_two_word_lines_and_key_misspellings_count():
+    assert not strict("User-agent GPTBot\nDisallow /x\n", "/x/1")
+    assert not strict("User agent: GPTBot\nDisalow: /x\n", "/x/1")
+    assert strict("User-agent: GPTBot\nDisallow /x /y\n", "/x/1")                      # three words: not a line
+
+
+def test_strict_matching_is_a_config_switch_of_the_filter():
+    snap = snapshot({"a.org": "User-agent: GPTBot FOO\nDisallow: /\n"})
+    assert not RobotsOracle(snap, RobotsConfig(matching="strict", agents=["GPTBot"], wildcard=False)).decide("https://a.org/x").kept
+    with pytest.raises(ConfigError):
+        RobotsConfig(matching="google")

@@ -39,9 +39,9 @@ from ..corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, registrable_domain
 # %% auto #0
 __all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
            'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
-           'group_applied_before_07', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text', 'RobotsConfig',
-           'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains', 'fetch_robots',
-           'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
+           'group_applied_before_07', 'strict_allowed', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text',
+           'RobotsConfig', 'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains',
+           'fetch_robots', 'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
 
 # %% ../../../nbs/02_robots.ipynb #74ecbc2b
 WILDCARD = "*"  # the generic group, checked when RobotsConfig.wildcard is on
@@ -51,15 +51,16 @@ PARSE_CACHE_CHARS = 64 * 1024 * 1024  # characters of robots.txt text kept parse
 
 class _ParseCache:
     "Parsed robots.txt files by text, least recently used out first, bounded by the total length of their texts."
-    def __init__(self, max_chars: int):
-        self.max_chars, self.chars, self.items, self.lock = max_chars, 0, OrderedDict(), threading.Lock()
+    def __init__(self, max_chars: int, parse=Protego.parse):
+        self.max_chars, self.parse = max_chars, parse
+        self.chars, self.items, self.lock = 0, OrderedDict(), threading.Lock()
 
-    def get(self, text: str) -> Protego:
+    def get(self, text: str):
         with self.lock:
             if (hit := self.items.get(text)) is not None:
                 self.items.move_to_end(text)
                 return hit
-        parsed = Protego.parse(text)
+        parsed = self.parse(text)
         with self.lock:
             if text not in self.items and len(text) <= self.max_chars:
                 self.items[text], self.chars = parsed, self.chars + len(text)
@@ -81,10 +82,13 @@ def parse_robots(robots_txt: str) -> Protego:
 
 parse_robots.cache_clear = _PARSED.clear
 
-def is_allowed(robots_txt: str, url: str, user_agent: str) -> bool:
+def is_allowed(robots_txt: str, url: str, user_agent: str, matching: str = "protego") -> bool:
     """May `user_agent` fetch `url` under `robots_txt`? RFC 9309 semantics as implemented by Protego 0.7: the group
     whose user-agent token occurs in `user_agent` at a left word boundary applies (the longest such token wins,
-    `*` otherwise, no group: allowed); within it the longest matching path wins and `Allow` wins ties."""
+    `*` otherwise, no group: allowed); within it the longest matching path wins and `Allow` wins ties.
+    `matching="strict"`: RFC 9309 as Google's open-source parser reads it (`strict_allowed`)."""
+    if matching == "strict":
+        return strict_allowed(robots_txt, url, user_agent)
     return parse_robots(robots_txt).can_fetch(url, user_agent)
 
 # %% ../../../nbs/02_robots.ipynb #0f182c2c
@@ -96,6 +100,84 @@ def group_applied_before_07(group: str, agent: str) -> bool:
     "The rule of Protego ≤ 0.6 (comparison only): `*`, or the group's token is a substring of the agent name."
     token = group.strip().lower()
     return token == "*" or token in agent.strip().lower()
+
+# %% ../../../nbs/02_robots.ipynb #c75f603f
+_UA_KEYS = ("user-agent", "useragent", "user agent")
+_DISALLOW_KEYS = ("disallow", "dissallow", "dissalow", "disalow", "diasllow", "disallaw")
+
+@dataclass
+class _Group:
+    agents: list[str]                # product tokens, lower case, or "*"
+    rules: list[tuple[bool, str]]    # (allow?, normalised pattern); an empty pattern matches nothing
+    closed: bool = False             # a rule line was seen: the next user-agent line opens a new group
+
+def _key_value(line: str) -> tuple[str, str]:
+    "(lower-case key, value) of a line without its comment; a colon-less line counts only as exactly two words."
+    line = line.split("#", 1)[0].strip()
+    key, sep, value = line.partition(":")
+    if not sep:
+        words = line.split()
+        key, value = (words[0], words[1]) if len(words) == 2 else ("", "")
+    return key.strip().lower(), value.strip()
+
+def _product_token(value: str) -> str:
+    "The product token a user-agent value or crawler name counts by: `*`, or its leading [A-Za-z_-] run, lower case."
+    return "*" if value.split()[:1] == ["*"] else re.match(r"[A-Za-z_-]*", value).group(0).lower()
+
+def _normalise(path: str) -> str:
+    "Non-ASCII as UTF-8 percent-escapes, existing escapes upper-cased (RFC 9309 §2.2.2)."
+    path = re.sub(r"%[0-9a-fA-F]{2}", lambda m: m.group(0).upper(), path)
+    return "".join(c if ord(c) < 128 else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+                   for c in path)
+
+# %% ../../../nbs/02_robots.ipynb #db07c22d
+class _StrictFile:
+    "The groups of one robots.txt, and per crawler token its rules ordered so that the first match decides."
+    def __init__(self, groups: list[_Group]):
+        self.groups, self._rules = groups, {}
+
+    def rules(self, token: str) -> list[tuple[int, bool, str, re.Pattern | None]]:
+        "Merged rules of the groups naming `token` (else of the `*` groups): longest first, Allow first on a tie."
+        if token not in self._rules:
+            chosen = ([g for g in self.groups if token != "*" and token in g.agents]
+                      or [g for g in self.groups if "*" in g.agents])
+            merged = {(len(rule), allow, rule) for g in chosen for allow, rule in g.rules}
+            self._rules[token] = [(n, allow, rule, _pattern(rule) if re.search(r"[*$]", rule) else None)
+                                  for n, allow, rule in sorted(merged, key=lambda r: (-r[0], not r[1], r[2]))]
+        return self._rules[token]
+
+def _strict_parse(robots_txt: str) -> _StrictFile:
+    "RFC 9309 §2.1 groups of a robots.txt: user-agent lines open a group, rule lines fill it, other lines are skipped."
+    groups: list[_Group] = []
+    for raw in re.split(r"\r\n|\r|\n", robots_txt.removeprefix("\ufeff")):
+        key, value = _key_value(raw)
+        if key in _UA_KEYS:
+            if not groups or groups[-1].closed:
+                groups.append(_Group([], []))
+            groups[-1].agents.append(_product_token(value))
+        elif groups and key in ("allow", *_DISALLOW_KEYS):
+            groups[-1].closed = True
+            if value:
+                groups[-1].rules.append((key == "allow", _normalise(value)))
+    return _StrictFile(groups)
+
+_STRICT = _ParseCache(PARSE_CACHE_CHARS, _strict_parse)
+
+def _pattern(rule: str) -> re.Pattern:
+    "A rule as a regex: `*` any run of characters, a final `$` the end of path and query."
+    body, anchored = (rule[:-1], True) if rule.endswith("$") else (rule, False)
+    return re.compile("".join(".*" if c == "*" else re.escape(c) for c in body) + (r"\Z" if anchored else ""), re.S)
+
+def strict_allowed(robots_txt: str, url: str, user_agent: str) -> bool:
+    "May `user_agent` fetch `url`, reading `robots_txt` strictly by RFC 9309 (see above)?"
+    parts = urlsplit(url)
+    path = _normalise((parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+    if path == "/robots.txt":
+        return True
+    for _, allow, rule, regex in _STRICT.get(robots_txt).rules(_product_token(user_agent)):
+        if path.startswith(rule) if regex is None else regex.match(path):
+            return allow  # the longest matching rule; Allow first among equally long ones
+    return True  # no rule matches: allowed
 
 # %% ../../../nbs/02_robots.ipynb #0c04d988
 @dataclass(frozen=True)
@@ -174,10 +256,11 @@ class RobotsConfig:
     max_bytes: int = MAX_ROBOTS_BYTES  # bytes of a robots.txt parsed (RFC 9309: at least 500 KiB)
     top_n: int = 1_000_000       # hosts whose robots.txt is fetched, per split (Apertus: 1M English + 1M non-English)
     rank_by: str = "chars"       # volume that ranks hosts: chars | tokens (Apertus: text volume)
+    matching: str = "protego"    # group/path matching: protego (public pipeline, Protego 0.7) | strict (RFC 9309 as Google)
 
     def __post_init__(self):
         for key, allowed in (("mode", ("url", "domain")), ("domain_scope", ("host", "registrable")),
-                             ("policy", tuple(POLICIES)), ("rank_by", ("chars", "tokens"))):
+                             ("policy", tuple(POLICIES)), ("rank_by", ("chars", "tokens")), ("matching", ("protego", "strict"))):
             if getattr(self, key) not in allowed:
                 raise ConfigError(f"robots.{key} must be one of {allowed}, got {getattr(self, key)!r}")
 
@@ -273,7 +356,7 @@ def decide(self: RobotsOracle, url: str) -> RobotsDecision:
         return RobotsDecision(True, "no-robots", host=host)
     if f.status != "ok":
         return self._missing(f, host)
-    agents = tuple(a for a in self.config.checked_agents if not is_allowed(f.text, url, a))
+    agents = tuple(a for a in self.config.checked_agents if not is_allowed(f.text, url, a, self.config.matching))
     return RobotsDecision(not agents, "disallowed-url" if agents else "allowed", agents,
                           "url" if agents else "", host)
 
@@ -290,7 +373,7 @@ def root_blocked_agents(self: RobotsOracle, host: str) -> tuple[str, ...]:
     f = self.file(host)
     if f is None or f.status != "ok":
         return ()
-    return tuple(a for a in self.config.checked_agents if not is_allowed(f.text, f"http://{host}/", a))
+    return tuple(a for a in self.config.checked_agents if not is_allowed(f.text, f"http://{host}/", a, self.config.matching))
 
 
 @patch
