@@ -211,6 +211,7 @@ def _book_index(short: str) -> int:
 def _passage(verses, book: int, chapter: int, first: int, last: int) -> list[tuple[int, str]]:
     return [(v, t) for b, c, v, t in verses if b == book and c == chapter and first <= v <= last]
 
+# %% ../../nbs/01b_build.ipynb #5376a814
 def format_passage(book: int, chapter: int, passage: list[tuple[int, str]], style: str) -> str:
     "A passage as a quotation page formats it: `paragraph`, `numbered` (Book c:v per line) or `wrapped60`."
     import textwrap
@@ -224,6 +225,7 @@ def format_passage(book: int, chapter: int, passage: list[tuple[int, str]], styl
         return heading + textwrap.fill(" ".join(t for _, t in passage), width=60)
     raise ValueError(f"unknown passage style '{style}'; styles: {', '.join(VARIANT_FORMATS)}")
 
+# %% ../../nbs/01b_build.ipynb #b8d6ba08
 def kjv_probes(verses) -> tuple[list[dict], list[RawDoc]]:
     "Probe rows (held-out and canonical) and the variant documents the canonical ones add to the corpus."
     rows, variants = [], []
@@ -406,6 +408,7 @@ def udhr_metadata(root: Path) -> list[dict]:
         records.append(rec)
     return records
 
+# %% ../../nbs/01b_build.ipynb #0259796f
 def read_udhr(root: Path) -> list[dict]:
     "Article-aligned rows (code, language, bcp47, name, script, direction, stage, article, title, text)."
     rows = []
@@ -672,6 +675,7 @@ def robots_row(origin: str, profile_name: str) -> dict:
             "content_type": profile.content_type, "body": _robots_body(profile, final.rsplit("/", 1)[0]),
             "fetched_at": fetched.strftime("%Y-%m-%dT%H:%M:%SZ"), "fetch_error": error, "profile": profile_name}
 
+# %% ../../nbs/01b_build.ipynb #7d5f7eaf
 def _redirect_chain(scheme: str, host: str, kind: str) -> list[str]:
     domain = registrable_domain(host)
     if kind == "https":
@@ -728,6 +732,7 @@ FILES_USED = {
     "udhr": "package/index.js (metadata), package/declaration/*.html",
 }
 
+# %% ../../nbs/01b_build.ipynb #a641efc3
 def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], out: Path) -> str:
     "The text of data/PROVENANCE.md for a build whose outputs are under `out`."
     import importlib.metadata as md
