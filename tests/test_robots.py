@@ -4,6 +4,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpretrain.compliance.ledger import Ledger, record
-from openpretrain.compliance.robots import (AI_USER_AGENTS, MAX_ROBOTS_BYTES, POLICIES, REPORT_AGENTS, RobotsConfig,
-                                            RobotsFilter, RobotsOracle, SNAPSHOT_COLUMNS, fetch_robots, group_applied_before_07,
-                                            group_applies, host_key, is_allowed, rank_domains, read_snapshot,
-                                            registrable_domain, robots_file, write_snapshot)
+from openpretrain.compliance.robots import (POLICIES, SNAPSHOT_COLUMNS, RobotsConfig, RobotsFilter, RobotsOracle,
+                                            fetch_robots, group_applied_before_07, group_applies, host_key, is_allowed,
+                                            rank_domains, read_snapshot, robots_file, write_snapshot)
 from openpretrain.core import ConfigError, load_preset
+from openpretrain.corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, REPORT_AGENTS, registrable_domain
 
 
 def snapshot(files: dict) -> pd.DataFrame:
@@ -105,22 +106,26 @@ def test_user_agent_matching_protego_07_vs_06(group, agent, before, now):
     assert group_applied_before_07(group, agent) is before
 
 
+PROTEGO_06_WHEEL = Path(__file__).resolve().parents[1] / ".cache/wheels/protego-0.6.2-py3-none-any.whl"
+
+
 @pytest.mark.slow
-def test_comparison_rule_equals_real_protego_06(tmp_path):
-    "Install protego 0.6.2 into a temporary folder (network) and check `group_applied_before_07` against it."
+def test_comparison_rule_equals_real_protego_06():
+    "Run the real protego 0.6.2 (a local wheel, imported from the zip) and check `group_applied_before_07` against it."
     import json
     import subprocess
     import sys
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path),
-                          "protego==0.6.2"], capture_output=True, text=True)
-    if pip.returncode:
-        pytest.skip(f"protego 0.6.2 not installable here: {pip.stderr[-200:]}")
+    if not PROTEGO_06_WHEEL.is_file():
+        pytest.fail(f"{PROTEGO_06_WHEEL} is missing; fetch it once with\n"
+                    f"  .venv/bin/pip download protego==0.6.2 --no-deps -d .cache/wheels")
     pairs = [(g, a) for g in ("bot", "extended", "ccbot/2.0", "ccbot", "gpt", "gptbot", "*", "pangu", "claude-web")
              for a in ("GPTBot", "CCBot", "CCBot/2.0", "Google-Extended", "PanguBot", "Mozilla/5.0 (compatible; GPTBot/1.2)")]
     code = ("import json, sys; from protego import Protego; pairs = json.loads(sys.argv[1]); print(json.dumps("
             "[not Protego.parse(f'User-agent: {g}\\nDisallow: /\\n').can_fetch('https://e.org/', a) for g, a in pairs]))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(pairs)], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+                         env={"PYTHONPATH": str(PROTEGO_06_WHEEL)}, cwd=PROTEGO_06_WHEEL.parent)
+    assert "protego-0.6.2" in subprocess.run([sys.executable, "-c", "import protego; print(protego.__file__)"],
+                                             capture_output=True, text=True, env={"PYTHONPATH": str(PROTEGO_06_WHEEL)}).stdout
     assert json.loads(out.stdout) == [group_applied_before_07(g, a) for g, a in pairs]
 
 
@@ -505,7 +510,8 @@ def fetched(servers):
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     hosts = [*servers.values(), closed]
-    snap = fetch_robots(hosts, scheme="http", concurrency=3, timeout=0.5, retries=1, backoff=0.05, delay=0.2)
+    snap = fetch_robots(hosts, scheme="http", concurrency=3, timeout=0.5, retries=1, backoff=0.05, delay=0.2,
+                       allow_networks=["127.0.0.0/8"])
     assert list(snap.host) == [*servers.values(), closed.removeprefix("http://")]
     return snap.set_index("host"), time.monotonic() - t0
 
@@ -554,8 +560,8 @@ def test_fetcher_is_bounded_and_polite(servers, fetched):
 def test_fetcher_rejects_non_http_schemes():
     with pytest.raises(ValueError):
         fetch_robots(["127.0.0.1:1"], scheme="ftp")
-    with pytest.raises(ValueError):
-        fetch_robots(["file://127.0.0.1/etc"])
+    row = fetch_robots(["file://127.0.0.1/etc"]).iloc[0]  # a bad host is a row, not an abort
+    assert pd.isna(row.http_status) and "only http and https" in row.fetch_error
 
 
 def test_fetcher_bounds_concurrency():
@@ -568,3 +574,206 @@ def test_fetcher_bounds_concurrency():
         assert (snap.http_status == 200).all() and overlap <= 2
     finally:
         _stop(started)
+
+
+# --- hardening (issue 9): each test failed on the code before the fix ------------------------------------------
+
+def test_explicit_default_port_trailing_dot_and_case_do_not_bypass_robots():
+    oracle = RobotsOracle(snapshot({"x.org": "User-agent: *\nDisallow: /a\n"}))
+    for url in ("https://x.org/a", "https://x.org:443/a", "http://x.org:80/a", "HTTPS://X.ORG.:443/a"):
+        assert not oracle.decide(url).kept, url
+    assert oracle.decide("https://x.org:8443/a").reason == "no-robots"  # another port is another host
+    row = snapshot({"y.org:443": "User-agent: *\nDisallow: /\n"}).assign(url="https://y.org:443/robots.txt")
+    assert not RobotsOracle(row).decide("https://y.org/b").kept  # a snapshot row with the default port, too
+
+
+def test_backslash_url_is_judged_by_the_host_a_browser_would_visit():
+    oracle = RobotsOracle(snapshot({"x.org": "User-agent: *\nDisallow: /\n", "evil.org": "User-agent: *\nAllow: /\n"}))
+    d = oracle.decide("http://x.org\\@evil.org/")
+    assert d.host == "x.org" and not d.kept
+
+
+def test_an_undated_row_never_overrides_a_dated_fetch():
+    snap = pd.concat([snapshot({"x.org": "User-agent: *\nDisallow: /\n"}),
+                      snapshot({"x.org": "User-agent: *\nAllow: /\n"}).assign(fetched_at=None)], ignore_index=True)
+    assert not RobotsOracle(snap).decide("https://x.org/p").kept
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_status_that_is_no_http_status_fails_closed_with_a_reason(policy):
+    snap = snapshot({"x.org": "User-agent: *\nAllow: /\n"}).astype({"http_status": object})
+    snap.loc[0, "http_status"] = "two hundred"
+    d = RobotsOracle(snap, RobotsConfig(policy=policy)).decide("https://x.org/p")
+    assert not d.kept and d.reason == "invalid" and "two hundred" in robots_file("two hundred", b"").why
+
+
+def test_a_bom_in_the_string_does_not_disable_the_first_group():
+    assert not is_allowed("\ufeffUser-agent: GPTBot\nDisallow: /\n", "https://a.org/x", "GPTBot")
+
+
+def test_http_429_is_a_temporary_failure_like_5xx():
+    assert robots_file(429, b"").status == robots_file(503, b"").status == "unreachable"
+    snap = snapshot({"x.org": (429, b"")})
+    assert RobotsOracle(snap).decide("https://x.org/p").kept  # apertus: usable
+    assert not RobotsOracle(snap, RobotsConfig(policy="rfc9309")).decide("https://x.org/p").kept
+
+
+def test_a_nul_byte_does_not_make_a_robots_txt_binary():
+    f = robots_file(200, b"User-agent: *\nDisallow: /private\n# built by \x00 tool\n")
+    assert f.status == "ok" and not is_allowed(f.text, "https://a.org/private/1", "GPTBot")
+
+
+def test_an_oversized_file_with_cr_line_endings_keeps_its_rules():
+    body = b"User-agent: *\rDisallow: /private\r" + b"# padding line\r" * 40_000  # 600 KB, CR only
+    f = robots_file(200, body)
+    assert f.status == "ok" and len(f.text) <= MAX_ROBOTS_BYTES and f.text.endswith("\r")
+    assert not is_allowed(f.text, "https://a.org/private/1", "GPTBot")
+
+
+def test_the_parse_cache_is_bounded_by_the_size_of_the_texts():
+    from openpretrain.compliance import robots
+    cache = robots._ParseCache(max_chars=300_000)
+    texts = [f"User-agent: *\nDisallow: /{i}\n" + "# x\n" * 25_000 for i in range(10)]  # ~100 KB each
+    for t in texts:
+        assert not cache.get(t).can_fetch(f"https://a.org/{texts.index(t)}", "X")
+    assert cache.chars <= 300_000 and len(cache.items) == 2 and texts[-1] in cache.items
+    assert robots.parse_robots.__module__ == robots.__name__ and robots._PARSED.max_chars == robots.PARSE_CACHE_CHARS
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    "Answers each request with the next of `script` (status, headers, body); logs request times."
+    script: list = []
+    times: list = []
+
+    def do_GET(self):  # noqa: N802
+        self.times.append(time.monotonic())
+        status, headers, body = self.script[min(len(self.times), len(self.script)) - 1]
+        self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    def start(*script):
+        _Scripted.script, _Scripted.times = list(script), []
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        started.append(srv)
+        return f"127.0.0.1:{srv.server_port}"
+    started = []
+    yield start
+    _stop(started)
+
+
+def test_one_bad_host_becomes_a_row_and_the_others_are_kept(scripted):
+    ok = scripted((200, [], b"User-agent: *\nDisallow: /\n"))
+    bad = ["[::1", "127.0.0.1:99999", None, b"bytes.org", "\ud800.org", "file:///etc/passwd"]
+    snap = fetch_robots([*bad, ok], scheme="http", timeout=2, retries=0, delay=0, allow_networks=["127.0.0.0/8"])
+    assert len(snap) == len(bad) + 1
+    assert snap.iloc[-1].http_status == 200 and snap.iloc[-1].host == ok
+    assert snap.fetch_error.iloc[:-1].str.startswith("invalid host").all() and snap.http_status.iloc[:-1].isna().all()
+
+
+def test_a_redirect_to_a_non_public_address_is_refused_and_recorded(scripted):
+    host = scripted((302, [("Location", "http://127.0.0.2:9/robots.txt")], b""))
+    snap = fetch_robots([host], scheme="http", timeout=2, retries=0, delay=0, allow_networks=["127.0.0.1/32"])
+    row = snap.iloc[0]
+    assert row.http_status == 302 and "redirect refused" in row.fetch_error and "127.0.0.2" in row.fetch_error
+    assert row.body == b"" and list(row.redirects) == [] and len(_Scripted.times) == 1
+
+
+def test_public_only_refuses_a_loopback_host_before_any_request(scripted):
+    host = scripted((200, [], b"User-agent: *\nAllow: /\n"))
+    snap = fetch_robots([host], scheme="http", timeout=2, retries=0, delay=0, public_only=True)
+    assert pd.isna(snap.iloc[0].http_status) and "non-public address 127.0.0.1" in snap.iloc[0].fetch_error
+    assert _Scripted.times == []
+
+
+def test_retry_after_is_honoured_before_the_retry(scripted):
+    host = scripted((429, [("Retry-After", "1")], b""), (200, [], b"User-agent: *\nDisallow: /x\n"))
+    snap = fetch_robots([host], scheme="http", timeout=2, retries=1, backoff=0.01, delay=0,
+                        allow_networks=["127.0.0.0/8"])
+    assert snap.iloc[0].http_status == 200 and len(_Scripted.times) == 2
+    assert 0.95 <= _Scripted.times[1] - _Scripted.times[0] < 3
+
+
+def test_a_retry_after_beyond_the_bound_ends_the_attempts_as_a_429(scripted):
+    host = scripted((429, [("Retry-After", "3600")], b""))
+    t0 = time.monotonic()
+    snap = fetch_robots([host], scheme="http", timeout=2, retries=3, backoff=0.01, delay=0, max_retry_after=5,
+                        allow_networks=["127.0.0.0/8"])
+    assert time.monotonic() - t0 < 3 and len(_Scripted.times) == 1
+    assert snap.iloc[0].http_status == 429 and "Retry-After 3600" in snap.iloc[0].fetch_error
+    assert not RobotsOracle(snap, RobotsConfig(policy="rfc9309")).decide(f"http://{host}/p").kept
+
+
+@pytest.mark.parametrize("stated, bound, gap", [("1", 30.0, (0.95, 3.0)), ("3600", 0.5, (0.45, 2.0))])
+def test_crawl_delay_spaces_the_next_request_to_that_host_within_a_bound(scripted, stated, bound, gap):
+    from openpretrain.compliance.robots import Politeness
+    host = scripted((200, [], f"User-agent: *\nCrawl-delay: {stated}\nDisallow: /x\n".encode()))
+    polite = Politeness(delay=0, max_crawl_delay=bound)
+    for _ in range(2):
+        snap = fetch_robots([host], scheme="http", timeout=2, retries=0, politeness=polite)
+        assert snap.iloc[0].http_status == 200
+    assert gap[0] <= _Scripted.times[1] - _Scripted.times[0] < gap[1]
+
+
+# --- strict RFC 9309 matching (cases written from the RFC text and Google's documented parser behaviour) --------
+
+def strict(txt: str, path: str, agent: str = "GPTBot") -> bool:
+    from openpretrain.compliance.robots import strict_allowed
+    return strict_allowed(txt, f"https://a.org{path}", agent)
+
+
+def test_strict_user_agent_line_counts_by_its_first_product_token_only():
+    assert not strict("User-agent: GPTBot FOO BAR\nDisallow: /\n", "/x")             # "GPTBot FOO BAR" is gptbot
+    assert strict("User-agent: FOO GPTBot\nDisallow: /\n", "/x")                      # ... and "FOO GPTBot" is foo
+    assert not strict("User-agent: ccbot/2.0\nDisallow: /\n", "/x", "CCBot")          # the version is not the token
+    assert not strict("User-agent: gPtBoT\nDisallow: /\n", "/x")                      # case-insensitive (§2.2.1)
+
+
+def test_strict_unknown_directives_do_not_close_a_group():
+    txt = "User-agent: GPTBot\nCrawl-delay: 5\nSitemap: https://a.org/s.xml\nUser-agent: CCBot\nDisallow: /p\n"
+    assert not strict(txt, "/p") and not strict(txt, "/p", "CCBot")
+
+
+def test_strict_groups_for_one_agent_merge_and_named_groups_replace_the_star_group():
+    txt = "User-agent: *\nDisallow: /s\n\nUser-agent: GPTBot\nDisallow: /a\n\nUser-agent: gptbot\nDisallow: /b\n"
+    assert not strict(txt, "/a") and not strict(txt, "/b") and strict(txt, "/s")
+    assert not strict(txt, "/s", "CCBot") and strict(txt, "/a", "CCBot")
+
+
+def test_strict_percent_escapes_and_non_ascii_are_normalised_before_matching():
+    assert not strict("User-agent: *\nDisallow: /ä\n", "/%C3%A4/x")
+    assert not strict("User-agent: *\nDisallow: /%c3%a4\n", "/ä")
+    assert not strict("User-agent: *\nDisallow: /a%2fb\n", "/a%2Fb")
+    assert strict("User-agent: *\nDisallow: /ä\n", "/a")
+
+
+def test_strict_longest_match_allow_on_ties_wildcards_and_anchor():
+    txt = "User-agent: *\nDisallow: /p\nAllow: /p/ok\nDisallow: /t\nAllow: /t\nDisallow: /*.pdf$\nDisallow:\n"
+    assert not strict(txt, "/p/x") and strict(txt, "/p/ok/1") and strict(txt, "/t/1")   # longest; Allow wins a tie
+    assert not strict(txt, "/doc/a.pdf") and strict(txt, "/doc/a.pdf?x=1")              # `*` and `$`
+    assert strict(txt, "/robots.txt") and strict("User-agent: *\nDisallow: /\n", "/robots.txt")
+    assert strict("User-agent: other\nDisallow: /\n", "/x")                              # no group applies: allowed
+
+
+def test_strict_colonless_two_word_lines_and_key_misspellings_count():
+    assert not strict("User-agent GPTBot\nDisallow /x\n", "/x/1")
+    assert not strict("User agent: GPTBot\nDisalow: /x\n", "/x/1")
+    assert strict("User-agent: GPTBot\nDisallow /x /y\n", "/x/1")                      # three words: not a line
+
+
+def test_strict_matching_is_a_config_switch_of_the_filter():
+    snap = snapshot({"a.org": "User-agent: GPTBot FOO\nDisallow: /\n"})
+    assert not RobotsOracle(snap, RobotsConfig(matching="strict", agents=["GPTBot"], wildcard=False)).decide("https://a.org/x").kept
+    with pytest.raises(ConfigError):
+        RobotsConfig(matching="google")
