@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 from datatrove.data import Document
+from fastcore.basics import patch
 
 DECISIONS = ("kept", "removed", "modified")  # what a step may do to a document
 BASE_COLUMNS = ("id", "url", "source", "language", "chars", "tokens", "removed_by")
@@ -66,70 +67,81 @@ class Ledger:
         "The compliance steps that left decisions in this ledger, in column order."
         return [c.removesuffix("_decision") for c in self.frame.columns if c.endswith("_decision")]
 
-    def volume(self, step: str | None = None, by: tuple[str, ...] = ("source", "language"),
-               total: bool = True) -> pd.DataFrame:
-        "Table B.1: documents and tokens before/after `step` (None: the whole pipeline) per `by` group."
-        f = self.frame
-        if step is None:
-            seen, kept = f, f["removed_by"].isna()
-        else:
-            col = self._column(step, "decision")
-            seen = f[f[col].notna()]
-            kept = seen[col] != "removed"
-        g = seen.assign(docs=1, docs_kept=kept.astype(int), tokens_kept=seen["tokens"].where(kept, 0),
-                        chars_kept=seen["chars"].where(kept, 0))
-        groups = [g.assign(**{b: "all" for b in by})] if total else []
-        out = pd.concat([g, *groups]).groupby(list(by), sort=False).agg(
-            docs_before=("docs", "sum"), docs_after=("docs_kept", "sum"),
-            tokens_before=("tokens", "sum"), tokens_after=("tokens_kept", "sum"),
-            chars_before=("chars", "sum"), chars_after=("chars_kept", "sum")).reset_index()
-        out["docs_removed_pct"] = 100 * (1 - out.docs_after / out.docs_before)
-        out["tokens_removed_pct"] = 100 * (1 - out.tokens_after / out.tokens_before)
-        return out
+# %% ../../../nbs/01a_ledger.ipynb #c7382688
+@patch
+def volume(self: Ledger, step: str | None = None, by: tuple[str, ...] = ("source", "language"),
+           total: bool = True) -> pd.DataFrame:
+    "Table B.1: documents and tokens before/after `step` (None: the whole pipeline) per `by` group."
+    f = self.frame
+    if step is None:
+        seen, kept = f, f["removed_by"].isna()
+    else:
+        col = self._column(step, "decision")
+        seen = f[f[col].notna()]
+        kept = seen[col] != "removed"
+    g = seen.assign(docs=1, docs_kept=kept.astype(int), tokens_kept=seen["tokens"].where(kept, 0),
+                    chars_kept=seen["chars"].where(kept, 0))
+    groups = [g.assign(**{b: "all" for b in by})] if total else []
+    out = pd.concat([g, *groups]).groupby(list(by), sort=False).agg(
+        docs_before=("docs", "sum"), docs_after=("docs_kept", "sum"),
+        tokens_before=("tokens", "sum"), tokens_after=("tokens_kept", "sum"),
+        chars_before=("chars", "sum"), chars_after=("chars_kept", "sum")).reset_index()
+    out["docs_removed_pct"] = 100 * (1 - out.docs_after / out.docs_before)
+    out["tokens_removed_pct"] = 100 * (1 - out.tokens_after / out.tokens_before)
+    return out
 
-    def breakdown(self, step: str, column: str, by: tuple[str, ...] = ("source",)) -> pd.DataFrame:
-        """Tables B.2/B.3: documents and tokens removed by `step` per value of `column` (a list column is exploded,
-        so a document blocked by three agents counts once under each of them) and per `by` group."""
-        col = self._column(step, column)
-        seen = self.frame[self.frame[self._column(step, "decision")].notna()]
-        before = seen.groupby(list(by))["tokens"].sum().rename("tokens_before")
-        removed = seen[seen[f"{step}_decision"] == "removed"].explode(col)
-        out = (removed.assign(docs=1).groupby([*by, col], sort=False)
-               .agg(docs_removed=("docs", "sum"), tokens_removed=("tokens", "sum")).reset_index()
-               .join(before, on=list(by)))
-        out["tokens_removed_pct"] = 100 * out.tokens_removed / out.tokens_before
-        return out.drop(columns="tokens_before").sort_values([*by, "tokens_removed"], ascending=False,
-                                                              ignore_index=True)
+# %% ../../../nbs/01a_ledger.ipynb #894f1177
+@patch
+def breakdown(self: Ledger, step: str, column: str, by: tuple[str, ...] = ("source",)) -> pd.DataFrame:
+    """Tables B.2/B.3: documents and tokens removed by `step` per value of `column` (a list column is exploded,
+    so a document blocked by three agents counts once under each of them) and per `by` group."""
+    col = self._column(step, column)
+    seen = self.frame[self.frame[self._column(step, "decision")].notna()]
+    before = seen.groupby(list(by))["tokens"].sum().rename("tokens_before")
+    removed = seen[seen[f"{step}_decision"] == "removed"].explode(col)
+    out = (removed.assign(docs=1).groupby([*by, col], sort=False)
+           .agg(docs_removed=("docs", "sum"), tokens_removed=("tokens", "sum")).reset_index()
+           .join(before, on=list(by)))
+    out["tokens_removed_pct"] = 100 * out.tokens_removed / out.tokens_before
+    return out.drop(columns="tokens_before").sort_values([*by, "tokens_removed"], ascending=False,
+                                                          ignore_index=True)
 
-    def totals(self, step: str, columns: list[str], by: tuple[str, ...] = ("language",)) -> pd.DataFrame:
-        "Sums of per-document counts written by `step` (e.g. PII matches per kind) over the documents it saw."
-        cols = [self._column(step, c) for c in columns]
-        seen = self.frame[self.frame[self._column(step, "decision")].notna()]
-        return seen.groupby(list(by))[cols].sum().reset_index()
+# %% ../../../nbs/01a_ledger.ipynb #1c95e98c
+@patch
+def totals(self: Ledger, step: str, columns: list[str], by: tuple[str, ...] = ("language",)) -> pd.DataFrame:
+    "Sums of per-document counts written by `step` (e.g. PII matches per kind) over the documents it saw."
+    cols = [self._column(step, c) for c in columns]
+    seen = self.frame[self.frame[self._column(step, "decision")].notna()]
+    return seen.groupby(list(by))[cols].sum().reset_index()
 
-    def manifest(self, step: str) -> pd.DataFrame:
-        "Per-document record of `step`: id, url, source, language, tokens and every `<step>_*` field."
-        cols = [c for c in self.frame.columns if c.startswith(f"{step}_")]
-        seen = self.frame[self.frame[self._column(step, "decision")].notna()]
-        return seen[["id", "url", "source", "language", "tokens", *cols]].reset_index(drop=True)
+@patch
+def manifest(self: Ledger, step: str) -> pd.DataFrame:
+    "Per-document record of `step`: id, url, source, language, tokens and every `<step>_*` field."
+    cols = [c for c in self.frame.columns if c.startswith(f"{step}_")]
+    seen = self.frame[self.frame[self._column(step, "decision")].notna()]
+    return seen[["id", "url", "source", "language", "tokens", *cols]].reset_index(drop=True)
 
-    def check_conservation(self, input_ids: Iterable[str]) -> None:
-        "Raise unless every input document is in the ledger exactly once (kept or removed) and nothing else is."
-        ids = list(input_ids)
-        expected, got = set(ids), set(self.frame["id"])
-        if len(expected) != len(ids):
-            raise ValueError("input ids are not unique")
-        missing, extra = expected - got, got - expected
-        if missing or extra:
-            raise ValueError(f"conservation violated: {len(missing)} input documents missing "
-                             f"(e.g. {sorted(missing)[:3]}), {len(extra)} unexpected (e.g. {sorted(extra)[:3]})")
+# %% ../../../nbs/01a_ledger.ipynb #16ca426c
+@patch
+def check_conservation(self: Ledger, input_ids: Iterable[str]) -> None:
+    "Raise unless every input document is in the ledger exactly once (kept or removed) and nothing else is."
+    ids = list(input_ids)
+    expected, got = set(ids), set(self.frame["id"])
+    if len(expected) != len(ids):
+        raise ValueError("input ids are not unique")
+    missing, extra = expected - got, got - expected
+    if missing or extra:
+        raise ValueError(f"conservation violated: {len(missing)} input documents missing "
+                         f"(e.g. {sorted(missing)[:3]}), {len(extra)} unexpected (e.g. {sorted(extra)[:3]})")
 
-    def _column(self, step: str, name: str) -> str:
-        col = f"{step}_{name}"
-        if col not in self.frame.columns:
-            raise KeyError(f"no column '{col}' in the ledger; steps present: {self.steps}")
-        return col
+@patch
+def _column(self: Ledger, step: str, name: str) -> str:
+    col = f"{step}_{name}"
+    if col not in self.frame.columns:
+        raise KeyError(f"no column '{col}' in the ledger; steps present: {self.steps}")
+    return col
 
+# %% ../../../nbs/01a_ledger.ipynb #ad2df756
 def _row(doc: Document | dict, source_key: str, language_key: str, tokens_key: str,
          count_tokens: Callable[[str], int] | None) -> dict:
     "One ledger row from one document."

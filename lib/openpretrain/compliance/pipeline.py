@@ -124,6 +124,7 @@ class ComplianceReader(_NeverDrop, JsonlReader):
             doc.metadata["repaired"] = "utf-8"
         return doc
 
+# %% ../../../nbs/04a_pipeline.ipynb #6d961a25
 def _lines(f, filepath: str):
     "The lines of an open input file; a truncated or corrupt .gz fails naming the file and the line it reached."
     n = 0

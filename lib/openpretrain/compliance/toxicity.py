@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from fastcore.basics import patch
 from torch import nn
 
 from .ledger import record
@@ -418,16 +419,19 @@ class ToxicityScorer:
         cut = self.thresholds["*"]
         return np.array([s > self.thresholds.get(lang, cut) for s, lang in zip(scores, langs)], dtype=bool)
 
-    def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-        from openpretrain.core import to_dict
-        tensors = {f"{lang}.{k}": v.half().contiguous()  # half precision: ~0.5 MB per 512-d head
-                   for lang, h in self.heads.items() for k, v in h.state_dict().items()}
-        # one metadata key: safetensors stores metadata in a hash map, so several keys come out in random order
-        meta = {"openpretrain": json.dumps({"config": to_dict(self.cfg), "thresholds": self.thresholds})}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=meta)
-        return Path(path)
+# %% ../../../nbs/04_toxicity.ipynb #1f81a1da
+@patch
+def save(self: ToxicityScorer, path: str | Path) -> Path:
+    "Heads as `<lang>.<param>` fp16 tensors, config and thresholds in one metadata key."
+    from safetensors.torch import save_file
+    from openpretrain.core import to_dict
+    tensors = {f"{lang}.{k}": v.half().contiguous()  # half precision: ~0.5 MB per 512-d head
+               for lang, h in self.heads.items() for k, v in h.state_dict().items()}
+    # one metadata key: safetensors stores metadata in a hash map, so several keys come out in random order
+    meta = {"openpretrain": json.dumps({"config": to_dict(self.cfg), "thresholds": self.thresholds})}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+    return Path(path)
 
 def load_heads(path: str | Path | None = None, dropout: float = 0.2) -> tuple[dict[str, ToxicityHead], dict]:
     "Heads and thresholds from a safetensors file written by `ToxicityScorer.save`."
