@@ -254,3 +254,9 @@ def test_temperature_recovers_an_inflated_logit_scale():
     head.temperature.fill_(2.0)
     x = np.random.default_rng(2).normal(size=(6, 4)).astype(np.float32)
     np.testing.assert_allclose(head.p_toxic(x), 1 / (1 + np.exp(-head.margin(x) / 2)))
+
+
+def test_a_scorer_without_the_pooled_cut_refuses_to_decide():
+    scorer = ToxicityScorer(None, {}, ToxicityConfig(), thresholds={"it": 0.5})
+    with pytest.raises(ValueError, match="'\\*'"):
+        scorer.remove(np.array([0.9]), ["it"])

@@ -416,6 +416,8 @@ class ToxicityScorer:
 
     def remove(self, scores: np.ndarray, langs: Sequence[str]) -> np.ndarray:
         "True where a document is above its language's threshold ('*' for a language the calibration sample missed)."
+        if "*" not in self.thresholds:  # fail closed: an uncalibrated scorer decides nothing
+            raise ValueError("no all-languages threshold '*': fit the thresholds before removing documents")
         cut = self.thresholds["*"]
         return np.array([s > self.thresholds.get(lang, cut) for s, lang in zip(scores, langs)], dtype=bool)
 
