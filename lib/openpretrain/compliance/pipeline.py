@@ -309,7 +309,7 @@ def _watch(self: WatchedLocalExecutor, pool, results, n: int) -> list:
                 pool.terminate()
                 done = sum(map(self.is_rank_completed, range(self.local_tasks)))
                 raise RuntimeError(f"worker process {dead[0][0]} died (exit code {dead[0][1]}) with {done}/"
-                                   f"{self.local_tasks} tasks complete; completed tasks are kept, rerun to resume")
+                                   f"{self.local_tasks} tasks complete; completed tasks are kept, rerun to resume") from None
     return stats
 
 def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: int, logging_dir: str | Path, **kwargs):
