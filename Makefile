@@ -15,7 +15,7 @@ export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv report test test-slow check-sync bench bench-gpu lint data tokenizers clean
+.PHONY: venv report test test-slow check-sync bench bench-gpu lint data tokenizers toxicity-heads clean
 
 # The environment: rebuilt only when pyproject.toml changes (the stamp records the install).
 $(VENV)/.stamp: pyproject.toml
@@ -71,3 +71,9 @@ tokenizers: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The committed toxicity heads (data/toxicity/heads.safetensors) from the committed weak labels; a report run never
+# writes data/ (chapter 04 trains into .cache/toxicity/ and compares). Embeddings are cached in .cache/embeddings.
+toxicity-heads: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -c "from openpretrain.compliance.toxicity import build_heads; print(build_heads('tiny', workers=2))"
+	sha256sum data/toxicity/heads.safetensors

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from openpretrain.compliance.toxicity import (
-    ToxicityConfig, ToxicityHead, ToxicityScorer, USEEmbedder, XLMREmbedder, balance, fit_threshold, lexicon_pattern,
-    load_heads, load_toxic_commons, load_weak_labels, random_score, read_fortunes, resolve_head, split_validation,
-    train_head, weak_scores, word_chunks)
+    CachedEmbedder, ToxicityConfig, ToxicityHead, ToxicityScorer, USEEmbedder, XLMREmbedder, balance, fit_temperature,
+    fit_threshold, lexicon_pattern, load_heads, load_toxic_commons, load_weak_labels, random_score, read_fortunes,
+    resolve_head, split_validation, train_head, weak_scores, word_chunks)
+from openpretrain.core import load_preset
 
 
 def test_head_is_linear_relu_dropout_linear_with_two_outputs():
@@ -194,3 +195,68 @@ def test_committed_heads_cover_the_configured_languages_and_the_multilingual_fal
     heads, _ = load_heads()
     assert {"en", "it", "es", "multilingual"} <= set(heads)
     assert all(h.net[0].in_features == USEEmbedder.dim for h in heads.values())
+
+
+def _auc(y: np.ndarray, s: np.ndarray) -> float:
+    "P(score of a random toxic example > score of a random clean one), ties counting half."
+    pos, neg = s[y == 1][:, None], s[y == 0][None, :]
+    return float((pos > neg).mean() + 0.5 * (pos == neg).mean())
+
+
+@pytest.mark.parametrize("lang", ["en", "it", "es"])
+def test_committed_heads_rank_held_out_toxic_texts_above_clean_ones(lang):
+    cfg = load_preset("tiny").section("toxicity", ToxicityConfig)
+    table = load_weak_labels()
+    table = table[table.lang == lang].reset_index(drop=True)
+    _, va = split_validation(balance(table.toxic.values, np.random.default_rng(cfg.seed)), cfg.val_share)  # held out
+    va = va[:80]
+    x = np.stack([e[0] for e in USEEmbedder(cfg.chunk_words, cfg.max_chunks).embed(table.text.values[va].tolist())])
+    y, s = table.toxic.values[va], load_heads()[0][lang].p_toxic(x)
+    assert 0 < y.sum() < len(y) and _auc(y, s) > 0.7, _auc(y, s)
+    assert np.median(s[y == 1]) > np.median(s[y == 0])
+
+
+def test_training_twice_with_different_thread_counts_gives_identical_bytes():
+    x, y = _blobs(n=3000, d=128, seed=5)
+    cfg = ToxicityConfig(epochs=3, seed=2)
+    before, states = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            head = train_head(x, y, cfg).head
+            states.append(b"".join(v.numpy().tobytes() for v in head.state_dict().values()))
+    finally:
+        torch.set_num_threads(before)
+    assert states[0] == states[1] == states[2]
+
+
+def test_a_documents_vectors_do_not_depend_on_its_batch():
+    texts = load_weak_labels().text.head(30).tolist()
+    use = USEEmbedder(max_chunks=4)
+    alone = [use.embed([t])[0] for t in texts[:4]]
+    assert all(np.array_equal(a, b) for a, b in zip(alone, use.embed(texts[::-1])[::-1][:4]))
+
+
+def test_cached_embedder_serves_the_same_vectors_without_the_encoder(tmp_path):
+    texts = load_weak_labels().text.head(5).tolist()
+    cached = CachedEmbedder(USEEmbedder(), tmp_path)
+    first = cached.embed(texts)
+    cached.inner = None  # any cache miss would now fail
+    assert all(np.array_equal(a, b) for a, b in zip(first, cached.embed(texts[::-1])[::-1]))
+    assert len(list(tmp_path.rglob("*.npy"))) == 5 and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_temperature_recovers_an_inflated_logit_scale():
+    m = np.random.default_rng(0).normal(size=20_000)
+    y = (np.random.default_rng(1).random(20_000) < 1 / (1 + np.exp(-m))).astype(int)  # calibrated at T = 1
+    assert fit_temperature(3 * m, y) == pytest.approx(3, rel=0.08)
+    head = ToxicityHead(4)
+    head.temperature.fill_(2.0)
+    x = np.random.default_rng(2).normal(size=(6, 4)).astype(np.float32)
+    np.testing.assert_allclose(head.p_toxic(x), 1 / (1 + np.exp(-head.margin(x) / 2)))
+
+
+def test_a_scorer_without_the_pooled_cut_refuses_to_decide():
+    scorer = ToxicityScorer(None, {}, ToxicityConfig(), thresholds={"it": 0.5})
+    with pytest.raises(ValueError, match="'\\*'"):
+        scorer.remove(np.array([0.9]), ["it"])
