@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from openpretrain.corpus import load_embedded
 from openpretrain.tokenization import load_tokenizer
-from openpretrain.training.goldfish import (STRATEGIES, GoldfishConfig, canonical_vocab, goldfish_mask,
+from openpretrain.training.goldfish import (CHARS_PER_TOKEN, STRATEGIES, GoldfishConfig, canonical_vocab, goldfish_mask,
                                             label_mask, window_hash)
 from openpretrain.core import ConfigError
 
@@ -110,7 +110,7 @@ def _variant_decisions(tok, vocab, text, strategy, k=5, h=8):
     keep = goldfish_mask(torch.tensor([ids]), k, h, strategy, vocab=vocab)[0]
     lens = vocab.lens[torch.tensor(ids)]
     ends = lens.cumsum(0)
-    return {int(e): bool(kp) for e, kp, n in zip(ends, keep, lens) if n > 0 and e >= 4 * h}
+    return {int(e): bool(kp) for e, kp, n in zip(ends, keep, lens) if n > 0 and e >= CHARS_PER_TOKEN * h}
 
 
 @settings(max_examples=25, deadline=None)

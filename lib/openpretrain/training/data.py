@@ -356,7 +356,7 @@ class Batch:
 def pack_rows(rows: np.ndarray, bod: int, eod: int, label_mask=None) -> Batch:
     "Rows of L + 1 consecutive stream tokens (B, L+1) → a Batch; `label_mask(labels) -> keep` is ANDed in."
     t = torch.from_numpy(rows.astype(np.int64))
-    input_ids, labels = t[:, :-1], t[:, 1:]                       # (B, L) each
+    input_ids, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()  # (B, L) each
     loss_mask = (labels != eod) & (input_ids != eod)
     if label_mask is not None:
         loss_mask &= label_mask(labels)

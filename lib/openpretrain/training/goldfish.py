@@ -76,7 +76,7 @@ def window_hash(x: Tensor, w: int) -> Tensor:
     return (prefix - before).remainder(MOD) * pw % MOD                           # (B, N)
 
 # %% ../../../nbs/09_goldfish.ipynb #d7921353
-CHARS_PER_TOKEN = 4  # normalised bytes per token hashed (bpe-bal-8k: measured below)
+CHARS_PER_TOKEN = 2  # normalised bytes per label in the window (bpe-bal-8k: measured below)
 
 @dataclass
 class CanonicalVocab:
@@ -124,16 +124,15 @@ def token_bytes(tokenizer) -> list[bytes]:
 def _canonical_keys(labels: Tensor, h: int, vocab: CanonicalVocab) -> tuple[Tensor, Tensor]:
     "Rolling-hash key of the normalised bytes ending with each label, and whether a full window exists."
     B, L = labels.shape
-    lens = vocab.lens[labels]                                     # (B, L) normalised bytes per label
-    ends = lens.cumsum(1)                                         # (B, L) end of each label in its row's stream
-    flat = lens.flatten()
-    first = (ends - lens).flatten().repeat_interleave(flat)       # (T,) row offset of each byte's label
-    within = torch.arange(int(flat.sum()), device=labels.device) - (flat.cumsum(0) - flat).repeat_interleave(flat)
-    row = torch.arange(B, device=labels.device).repeat_interleave(ends[:, -1])
-    stream = torch.zeros(B, max(int(ends[:, -1].max()), 1), dtype=torch.long, device=labels.device)  # (B, N)
-    stream[row, first + within] = vocab.bytes[labels.flatten().repeat_interleave(flat), within]
-    hashes = window_hash(stream, CHARS_PER_TOKEN * h)            # (B, N)
-    keys = hashes.gather(1, (ends - 1).clamp(min=0))              # (B, L)
+    lens = vocab.lens[labels]                                              # (B, L) normalised bytes per label
+    ends = lens.cumsum(1)                                                  # (B, L) end of each label's bytes
+    n = max(int(ends[:, -1].max()), 1)
+    pos = torch.arange(n, device=labels.device).repeat(B, 1)              # (B, N) byte positions
+    owner = torch.searchsorted(ends, pos, right=True).clamp(max=L - 1)     # (B, N) label each byte belongs to
+    within = (pos - (ends - lens).gather(1, owner)).clamp(max=vocab.bytes.shape[1] - 1)
+    stream = vocab.bytes[labels.gather(1, owner), within].masked_fill(pos >= ends[:, -1:], 0)  # (B, N)
+    hashes = window_hash(stream, CHARS_PER_TOKEN * h)                     # (B, N)
+    keys = hashes.gather(1, (ends - 1).clamp(min=0))                       # (B, L) at each label's last byte
     return keys, ends >= CHARS_PER_TOKEN * h
 
 # %% ../../../nbs/09_goldfish.ipynb #53445596
@@ -142,7 +141,7 @@ def goldfish_mask(labels: Tensor, k: int = 50, h: int = 50, strategy: str = "has
     "Keep-mask (B, L) bool of next-token labels (B, L) long: False where the Goldfish loss drops the label."
     if labels.ndim != 2:
         raise ValueError(f"labels must be (B, L), got shape {tuple(labels.shape)}")
-    labels = labels.long()
+    labels = labels.long().contiguous()  # a sliced (B, L+1) row view would make unfold and prod slow
     keep = torch.ones_like(labels, dtype=torch.bool)
     if strategy == "canonical":
         if vocab is None:
@@ -168,7 +167,7 @@ def label_mask(config: GoldfishConfig, tokenizer=None):
     vocab = canonical_vocab(tokenizer) if config.strategy == "canonical" else None
     return functools.partial(goldfish_mask, k=config.k, h=config.h, strategy=config.strategy, vocab=vocab)
 
-# %% ../../../nbs/09_goldfish.ipynb #7f23ef71
+# %% ../../../nbs/09_goldfish.ipynb #b6faf9dd
 def masked_bytes(ids: list[int], keep: Tensor, vocab: CanonicalVocab) -> Tensor:
     "Per normalised byte of a token sequence (labels `ids`), whether its label is dropped (N,) bool."
     lens = vocab.lens[torch.as_tensor(ids, dtype=torch.long)]
