@@ -207,3 +207,23 @@ def test_a_pool_shared_by_two_stages_is_not_reread_before_it_is_used_up(loader):
         rows += [tuple(r) for r in b.input_ids[b.source_ids == udhr].tolist()]
     assert len(rows) * 256 < len(loader.pools["udhr"].tokens)  # less than one epoch over both stages
     assert len(set(rows)) == len(rows)
+
+
+def test_compliance_kept_jsonl_is_tokenized_by_source(tmp_path, tok):
+    from datatrove.data import Document
+    from datatrove.pipeline.writers import JsonlWriter
+    from openpretrain.tokenization import TokenizerConfig
+    from openpretrain.training.data import DataConfig, SourceSpec, StageSpec, TokenPool, tokenize_curriculum
+    docs = [Document(text=f"Allegra {i}! Quai è in text rumantsch.", id=f"rm{i}",
+                     metadata={"source": "firefox-esr-l10n-rm", "language": "roh"}) for i in range(5)]
+    docs += [Document(text="Hello there.", id="en0", metadata={"source": "fortunes", "language": "eng"})]
+    with JsonlWriter(str(tmp_path / "kept")) as w:  # the writer the compliance pipeline keeps documents with
+        for d in docs:
+            w.write(d)
+    c = validate(Curriculum(name="kept", stages=[StageSpec(name="s", tokens=1024, sources=[
+        SourceSpec(name="rm", select={"source": ["firefox-esr-l10n-rm"]}, weight=1.0)])]))
+    out = tokenize_curriculum(c, DataConfig(input=str(tmp_path / "kept"), seq_len=256),
+                              TokenizerConfig(name="bpe-bal-8k", vocab_size=8192), token_dir=tmp_path / "tokens")
+    assert out.is_relative_to(tmp_path / "tokens")
+    pool = TokenPool.open(out / "rm")
+    assert [tok.tok.decode(d[1:-1].tolist()) for d in pool.documents()] == [d.text for d in docs[:5]]

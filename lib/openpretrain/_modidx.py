@@ -818,6 +818,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'openpretrain/training/goldfish.py'),
                                                 'openpretrain.training.goldfish.leaked_bytes': ( 'goldfish.html#leaked_bytes',
                                                                                                  'openpretrain/training/goldfish.py'),
+                                                'openpretrain.training.goldfish.loader_from_preset': ( 'goldfish.html#loader_from_preset',
+                                                                                                       'openpretrain/training/goldfish.py'),
                                                 'openpretrain.training.goldfish.masked_bytes': ( 'goldfish.html#masked_bytes',
                                                                                                  'openpretrain/training/goldfish.py'),
                                                 'openpretrain.training.goldfish.normalise_bytes': ( 'goldfish.html#normalise_bytes',
