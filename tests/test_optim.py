@@ -236,3 +236,12 @@ def test_bad_configs_fail_with_a_named_problem():
         build_optimizer(nn.Linear(2, 2), OptimConfig(name="sgd"))
     with pytest.raises(ValueError, match="three betas"):
         AdEMAMix(nn.Linear(2, 2).parameters(), betas=(0.9, 0.999))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_tiny_schedules_consume_the_tiny_curriculum_and_decay_over_its_last_stage(preset):
+    s = build_schedule(load_preset(preset).section("optim", OptimConfig))
+    assert s.tokens_at(s.total_steps) == 524_288                 # the tiny curriculum: 2,048 rows of 256 tokens
+    decay_start = s.total_steps - 32
+    assert s.tokens_at(decay_start) == 393_216                   # its stage 2 (cooldown) starts here
+    assert s.lr_at(decay_start) == s.peak > s.lr_at(decay_start + 1)
