@@ -229,3 +229,15 @@ def test_cli_reports_a_bad_preset_in_one_line_and_exits_2(tmp_path, capsys):
     assert main(["--preset", str(write_preset(tmp_path, parallel="zero3")), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.parallel: 'zero3' is not ddp | fsdp2" in err
+
+
+def test_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+    preset = write_preset(tmp_path)
+    run(preset, tmp_path / "run", 2)
+    ckpt = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
+    ours = trainer.load_model(preset, ckpt).eval()
+    hf = AutoModelForCausalLM.from_pretrained(trainer.export_hf(preset, ckpt, tmp_path / "hf")).eval()
+    ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)

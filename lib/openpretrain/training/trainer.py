@@ -31,7 +31,7 @@ from ..models.common import param_counts
 from ..models.moe import update_expert_bias
 from ..models.dense import DenseConfig
 from ..models.dense import train_flops_per_token as dense_flops_per_token
-from ..models.registry import build_model, model_config
+from ..models.registry import build_model, model_config, to_hf
 from ..tokenization import TokenizerConfig, load_tokenizer
 from .data import UNITS, DataConfig, TokenLoader, load_curriculum
 from .goldfish import GoldfishConfig, label_mask
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 # %% auto #0
 __all__ = ['MANIFEST', 'BATCH_FIELDS', 'TrainConfig', 'Plan', 'plan', 'check_data_budget', 'train_flops_per_token',
            'measure_peak_flops', 'sync', 'CheckpointError', 'write_checkpoint', 'verify_checkpoint', 'checkpoints',
-           'latest_valid_checkpoint', 'prune_checkpoints', 'capture_state', 'restore_state', 'parallelize',
-           'gradient_sync', 'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'MetricsLog', 'read_metrics',
-           'DropCounter', 'token_loader', 'train', 'metrics_row', 'save_checkpoint', 'main']
+           'latest_valid_checkpoint', 'prune_checkpoints', 'load_model', 'export_hf', 'capture_state', 'restore_state',
+           'parallelize', 'gradient_sync', 'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'MetricsLog',
+           'read_metrics', 'DropCounter', 'token_loader', 'train', 'metrics_row', 'save_checkpoint', 'main']
 
 # %% ../../../nbs/11_train.ipynb #8849137e
 @dataclass(kw_only=True)
@@ -215,6 +215,20 @@ def prune_checkpoints(root: Path, keep_last: int, milestones: list[int]) -> None
     rolling = [p for p in checkpoints(root) if int(p.name.split("-")[1]) not in milestones]
     for path in rolling[:-keep_last]:
         shutil.rmtree(path)
+
+# %% ../../../nbs/11_train.ipynb #7e2aad1d
+def load_model(preset: Preset | str, checkpoint: str | os.PathLike) -> nn.Module:
+    "The preset's model (fp32, CPU) holding a verified checkpoint's weights."
+    p = preset if isinstance(preset, Preset) else load_preset(preset)
+    verify_checkpoint(Path(checkpoint))
+    model = build_model(model_config(p), device="cpu")
+    model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=True)
+    return model
+
+def export_hf(preset: Preset | str, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    "Save a checkpoint as a transformers model folder (`from_pretrained` loads it)."
+    to_hf(load_model(preset, checkpoint)).save_pretrained(out_dir)
+    return Path(out_dir)
 
 # %% ../../../nbs/11_train.ipynb #625f0d77
 def _full() -> StateDictOptions:
