@@ -144,8 +144,9 @@ def test_keep_last_prunes_rolling_checkpoints_but_keeps_milestones(tmp_path):
 
 
 def test_metrics_have_one_row_per_optimizer_step_with_the_schedule(tmp_path):
-    pl_path = write_preset(tmp_path)
+    pl_path = write_preset(tmp_path, tensorboard=True)
     rows = read_metrics(run(pl_path, tmp_path / "run", 5))
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     pl = plan(pl_path, 5)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["lr"] for r in rows] == [pl.schedule.lr_at(s) for s in range(5)]
