@@ -96,8 +96,9 @@ def run(preset, out, max_steps, resume=False):
     return train(preset, out, max_steps, resume, loader_factory=SyntheticLoader)
 
 
-def test_resume_after_sigkill_reproduces_losses(tmp_path):
-    preset = write_preset(tmp_path, checkpoint_every=2, keep_last=2)
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_resume_after_sigkill_reproduces_losses(tmp_path, arch):
+    preset = write_preset(tmp_path, arch=arch, checkpoint_every=2, keep_last=2)
     reference = losses(run(preset, tmp_path / "reference", 10))
     kill_after = random.Random(20261130).randint(3, 8)      # a step, drawn once, that the run is killed after
     script, out = worker_script(tmp_path), tmp_path / "killed"
