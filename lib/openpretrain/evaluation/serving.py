@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..core import ConfigError, load_preset, resolve_device
+from ..core import ConfigError, load_preset
 from ..models.common import cache_bytes_per_token, generate
 from ..models.hybrid import mamba_state_bytes
 from ..models.registry import build_model, model_config
