@@ -202,8 +202,9 @@ def write_tasks(cfg: EvaluationConfig, out_dir: str | Path | None = None, seed: 
         docs = udhr_documents(lang, cfg.udhr_articles) + validation_documents(lang, cfg.validation_docs)
         task(f"openpretrain_bpb_{lang}", [{"text": d} for d in docs],
              {"tag": "openpretrain_bpb", "output_type": "loglikelihood_rolling", "doc_to_text": "",
-              "doc_to_target": "{{text}}", "metric_list": [{"metric": m} for m in
-                                                           ("word_perplexity", "byte_perplexity", "bits_per_byte")]})
+              "doc_to_target": "{{text}}", "metric_list": [{"metric": m, "aggregation": agg, "higher_is_better": False} for m, agg in
+                              (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                               ("bits_per_byte", "bits_per_byte"))]})
         items += continuation_items(lang, cfg.mc_items, cfg.mc_choices, seed)
     task("openpretrain_continuation", items,
          {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
