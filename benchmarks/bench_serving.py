@@ -4,7 +4,7 @@ Target: the hybrid's aggregate decode tokens/s at the longest context / at the s
 to 256K), while the dense model's falls. Both models are timed in one process with the same protocol — B prompts of
 each context, t(O_short = 1) and t(O_long) interleaved, the median of --reps kept after a warm-up — through
 `openpretrain.evaluation.serving.serving_sweep` (the models' own caches, batched greedy `generate`).
-Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_serving.py [--reps 3] [--contexts 128 2048] [--device cuda]
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serving.py [--reps 3] [--contexts 128 2048] [--device cuda]
 """
 from __future__ import annotations
 
