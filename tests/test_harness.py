@@ -1,5 +1,6 @@
 """lm-eval model (chapter 13): token boundaries as lm-eval splits them, scores equal to lm-eval's `hf` backend, stops, tasks."""
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ from lm_eval.api.model import TemplateLM
 
 from openpretrain.core import load_preset
 from openpretrain.corpus import load_embedded
-from openpretrain.evaluation.harness import (EvaluationConfig, OpenPretrainLM, continuation_items, encode_pair,
+from openpretrain.evaluation.harness import (EvaluationConfig, OpenPretrainLM, continuation_items, encode_pair, main,
                                              evaluate, hf_backend, write_tasks)
 from openpretrain.models.registry import build_model, model_config, to_hf
 from openpretrain.tokenization import TokenizerConfig, load_tokenizer
@@ -78,3 +79,18 @@ def test_local_tasks_run_offline_and_bits_per_byte_is_the_rolling_loss(tok, tmp_
     ll = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
     assert table["openpretrain_bpb_roh", "bits_per_byte"] == pytest.approx(-ll / len(text.encode()) / math.log(2))
     assert 0 <= table["openpretrain_continuation", "acc"] <= 1
+
+
+def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, capsys):
+    from openpretrain.training.trainer import write_checkpoint
+    model = _model("tiny-hybrid")
+    ckpt = write_checkpoint(tmp_path / "checkpoints", 1, {"model.safetensors": model.state_dict()})
+    out = tmp_path / "results.csv"
+    assert main(["--checkpoint", str(ckpt), "--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh",
+                 "--limit", "1", "--out", str(out)]) == 0
+    import pandas as pd
+    table = pd.read_csv(out).set_index("metric").value
+    text = __import__("json").loads((Path(write_tasks(EvaluationConfig())) / "openpretrain_bpb_roh.jsonl")
+                                    .read_text().splitlines()[0])["text"]
+    ll = OpenPretrainLM(model, tok, max_length=256).loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+    assert table["bits_per_byte"] == pytest.approx(-ll / len(text.encode()) / math.log(2), rel=1e-5)
