@@ -5,7 +5,8 @@ Sections, each skipped with a reason when its pieces are missing, all inside a ~
 2. the gpu-1 preset's dense model (~1B), forward + backward in bf16: tokens/s and MFU, eager and with compiled
    blocks, and transformers' ApertusForCausalLM with the same weights and batch;
 3. the fused Triton xIELU kernel against the PyTorch formula (forward + backward time, max error);
-4. the Soofi-width hybrid (fewer layers) train step, and mamba-ssm's fused SSD against ours, when they import.
+4. the Soofi-width hybrid (fewer layers) train step, and mamba-ssm's fused SSD against ours, when they import;
+5. Soofi Eq. 1 decode throughput of gpu-1's `serving:` models (B = 32, O_long = 1024), context by context until OOM.
 Run on the GPU machine from the repo root: python benchmarks/gpu.py
 """
 from __future__ import annotations
@@ -181,6 +182,33 @@ def mamba_ssd():
     print(f"ours {t_ours * 1e3:.2f} ms | mamba-ssm {t_fused * 1e3:.2f} ms | ratio {t_ours / t_fused:.2f}x (median of 5)")
 
 
+def serving_sweep():
+    "Soofi Eq. 1 on one GPU: gpu-1's serving section (B = 32, O_long = 1024), dense vs hybrid, contexts up to what fits."
+    from openpretrain.core import load_preset
+    from openpretrain.evaluation.serving import ServingConfig, run_serving, tps_ratio
+    cfg = load_preset("gpu-1").section("serving", ServingConfig)
+    rows = []
+    for ctx in cfg.contexts:  # one context at a time: stop at the first that runs out of memory or budget
+        if elapsed() > BUDGET_S:
+            print(f"stopped before context {ctx}: budget spent")
+            break
+        try:
+            with torch.no_grad():
+                rows.append(run_serving(dataclasses.replace(cfg, contexts=[ctx]), "cuda"))
+        except torch.OutOfMemoryError:
+            print(f"context {ctx}: out of memory at B = {cfg.batch}")
+            break
+        finally:
+            torch.cuda.empty_cache()
+        for r in rows[-1].itertuples():
+            print(f"{r.preset} context {ctx}: t(1) {r.t_short_s:.2f} s, t({cfg.o_long}) {r.t_long_s:.2f} s → "
+                  f"{r.decode_tps:,.0f} tok/s", flush=True)
+    if len(rows) > 1:
+        import pandas as pd
+        ratio = tps_ratio(pd.concat(rows, ignore_index=True))
+        print(" | ".join(f"{name} decode TPS longest/shortest context {r:.2f}" for name, r in ratio.items()))
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA GPU")
@@ -191,6 +219,7 @@ def main():
     section("xIELU: fused Triton kernel vs PyTorch")(xielu_kernel)
     section("hybrid train step")(hybrid)
     section("mamba-ssm SSD vs ours")(mamba_ssd)
+    section("serving: Soofi Eq. 1 decode throughput sweep (gpu-1 serving section)")(serving_sweep)
     print(f"\ndone in {elapsed():.0f}s")
 
 

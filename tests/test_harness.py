@@ -1,0 +1,96 @@
+"""lm-eval model (chapter 13): token boundaries as lm-eval splits them, scores equal to lm-eval's `hf` backend, stops, tasks."""
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+
+from openpretrain.core import load_preset
+from openpretrain.corpus import load_embedded
+from openpretrain.evaluation.harness import (EvaluationConfig, OpenPretrainLM, continuation_items, encode_pair, main,
+                                             evaluate, hf_backend, write_tasks)
+from openpretrain.models.registry import build_model, model_config, to_hf
+from openpretrain.tokenization import TokenizerConfig, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(load_preset("tiny").section("tokenizer", TokenizerConfig))
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return build_model(model_config(load_preset(name))).eval()
+
+
+@pytest.mark.parametrize("context, continuation", [("Der Mensch ist frei", " und gleich"), ("Uman ", "liber"),
+                                                   ("Tuts umans naschan", "  libers.")])
+def test_encode_pair_splits_like_lm_eval(tok, context, continuation):
+    # lm-eval's own split (TemplateLM._encode_pair) over the same tokenizer is the reference
+    ref = SimpleNamespace(tok_encode=tok.encode, backend="causal", AUTO_MODEL_CLASS=None)
+    assert encode_pair(tok, context, continuation, tok.bos_id) == tuple(TemplateLM._encode_pair(ref, context, continuation))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
+def test_loglikelihoods_equal_lm_eval_hf_backend(tok, tmp_path, name):
+    model = _model(name)
+    to_hf(model).save_pretrained(tmp_path)
+    ours = OpenPretrainLM(model, tok, max_length=32, batch_size=3)
+    theirs = hf_backend(tmp_path, tok, max_length=32, batch_size=2)
+    text = " ".join(load_embedded("validation", languages=["roh"])["text"][:1])[:600]
+    reqs = [Instance("loglikelihood", {}, (text[:a], text[a:b]), i)
+            for i, (a, b) in enumerate([(0, 20), (30, 45), (100, 150), (10, 11), (200, 260)])]
+    for (x, gx), (y, gy) in zip(ours.loglikelihood(reqs), theirs.loglikelihood(reqs)):
+        assert x == pytest.approx(y, abs=1e-4) and gx == gy
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]   # ~200 tokens: several 32-token windows
+    assert ours.loglikelihood_rolling(rolling)[0] == pytest.approx(theirs.loglikelihood_rolling(rolling)[0], abs=1e-3)
+
+
+def test_generate_until_cuts_at_the_first_stop_sequence(tok):
+    lm = OpenPretrainLM(_model("tiny-hybrid"), tok, max_length=64)
+    prompt = "Mintgin ha il dretg da"
+    free = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 12}), 0)])[0]
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    assert stop and len(free) > 4
+    cut = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), 0)])[0]
+    assert cut == free[:free.index(stop)]
+
+
+def test_continuation_items_hold_the_true_second_half():
+    items = continuation_items("deu", 5, 4, seed=0)
+    sentences = {" ".join(s.split()) for doc in load_embedded("validation", languages=["deu"])["text"]
+                 for s in __import__("re").split(r"(?<=[.!?])\s+", doc)}
+    assert len(items) == 5
+    for it in items:
+        assert len(set(it["choices"])) == 4 and 0 <= it["label"] < 4
+        assert " ".join((it["context"] + it["choices"][it["label"]]).split()) in sentences
+
+
+def test_local_tasks_run_offline_and_bits_per_byte_is_the_rolling_loss(tok, tmp_path):
+    cfg = EvaluationConfig(languages=["roh", "deu"], udhr_articles=1, validation_docs=0, mc_items=2)
+    task_dir = write_tasks(cfg, tmp_path)
+    lm = OpenPretrainLM(_model("tiny-hybrid"), tok, max_length=64, batch_size=4)
+    table = evaluate(lm, cfg.tasks, task_dir).set_index(["task", "metric"]).value
+    doc = (tmp_path / "openpretrain_bpb_roh.jsonl").read_text().splitlines()[0]
+    text = __import__("json").loads(doc)["text"]
+    ll = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+    assert table["openpretrain_bpb_roh", "bits_per_byte"] == pytest.approx(-ll / len(text.encode()) / math.log(2))
+    assert 0 <= table["openpretrain_continuation", "acc"] <= 1
+
+
+def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, capsys):
+    from openpretrain.training.trainer import write_checkpoint
+    model = _model("tiny-hybrid")
+    ckpt = write_checkpoint(tmp_path / "checkpoints", 1, {"model.safetensors": model.state_dict()})
+    out = tmp_path / "results.csv"
+    assert main(["--checkpoint", str(ckpt), "--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh",
+                 "--limit", "1", "--out", str(out)]) == 0
+    import pandas as pd
+    table = pd.read_csv(out).set_index("metric").value
+    text = __import__("json").loads((Path(write_tasks(EvaluationConfig())) / "openpretrain_bpb_roh.jsonl")
+                                    .read_text().splitlines()[0])["text"]
+    ll = OpenPretrainLM(model, tok, max_length=256).loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+    assert table["bits_per_byte"] == pytest.approx(-ll / len(text.encode()) / math.log(2), rel=1e-5)
