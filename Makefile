@@ -15,7 +15,7 @@ export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv report test test-slow check-sync bench bench-gpu lint data tokenizers toxicity-heads clean
+.PHONY: venv report report-check test test-slow check-sync bench bench-gpu lint data tokenizers toxicity-heads clean
 
 # The environment: rebuilt only when pyproject.toml changes (the stamp records the install).
 $(VENV)/.stamp: pyproject.toml
@@ -31,12 +31,18 @@ report: venv
 	-$(MAKE) --no-print-directory tokenizers
 	$(BIN)/openpretrain report $(if $(PRESET),--preset $(PRESET))
 
+# Rerun the report into a scratch folder and compare every table and figure with the committed manifest (exit 1 on a
+# difference, naming the files): two runs of one commit must agree bit for bit.
+report-check: venv
+	$(BIN)/openpretrain report --check $(if $(PRESET),--preset $(PRESET))
+
+# Notebook tests write their artifacts to a scratch folder, never over the committed outputs/tiny.
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers 2 --timing --cell-timing-min 5
+	OPENPRETRAIN_OUTPUTS=$$(mktemp -d) OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers 2 --timing --cell-timing-min 5
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --durations=10
 
 test-slow: venv
-	$(BIN)/nbdev-test --flags slow --n-workers 2
+	OPENPRETRAIN_OUTPUTS=$$(mktemp -d) $(BIN)/nbdev-test --flags slow --n-workers 2
 	$(BIN)/pytest -q -m slow
 
 # CI: the notebooks are the source of lib/, so exporting and cleaning them must change nothing.

@@ -247,6 +247,7 @@ def one_line_error(capsys, argv) -> str:
     (["compliance", "--preset", "some/path.yaml"], "no preset 'some/path.yaml'"),
     (["report", "--preset", "some/path.yaml"], "unknown preset 'some/path.yaml'"),
     (["report", "--outputs", "/dev/null/x", "--only", "00_core"], "cannot write to the outputs folder"),
+    (["train", "--preset", "some/path.yaml"], "no preset 'some/path.yaml'"),
 ])
 def test_cli_refuses_bad_flags_with_exit_2_and_one_line(capsys, argv, problem):
     assert problem in one_line_error(capsys, argv)
@@ -261,3 +262,18 @@ def test_cli_compliance_runs_a_preset_file_under_the_preset_name(tmp_path, monke
     path.write_text("preset: mine\n")
     assert main(["compliance", "--preset", str(path)]) == 0
     assert seen["output_dir"].parts[-2:] == ("mine", "compliance") and seen["preset"] == str(path)
+
+
+@pytest.mark.parametrize("command,flag", [("train", "--max-steps"), ("eval", "--checkpoint")])
+def test_cli_hands_train_and_eval_flags_to_their_modules(capsys, command, flag):
+    from openpretrain.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0 and f"openpretrain {command}" in (out := capsys.readouterr().out) and flag in out
+
+
+def test_cli_still_refuses_unknown_flags_of_its_own_commands():
+    from openpretrain.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["presets", "--bogus"])
+    assert e.value.code == 2

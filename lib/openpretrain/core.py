@@ -302,7 +302,8 @@ class Artifacts:
 
     @property
     def dir(self) -> Path:
-        root = Path(self.root)
+        "`<root>/<preset>`; $OPENPRETRAIN_OUTPUTS replaces the root (`make test` points it at a scratch folder)."
+        root = Path(os.environ.get("OPENPRETRAIN_OUTPUTS") or self.root)
         return (root if root.is_absolute() else project_root() / root) / self.preset
 
     def path(self, kind: str, name: str, suffix: str) -> Path:
