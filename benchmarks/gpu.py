@@ -123,7 +123,7 @@ def dense(peak: float | None):
 
 
 def xielu_kernel():
-    from kernels.xielu import xielu_triton
+    from openpretrain_kernels.xielu import xielu_triton
     from openpretrain.models.dense import XIELU, xielu_reference
 
     act = XIELU().cuda()

@@ -1,5 +1,8 @@
 """The Apertus dense decoder and the shared model parts, against transformers and against their defining properties."""
+import ast
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,6 +41,19 @@ def test_published_presets_have_the_reports_parameter_count(preset, report):
     assert counts["active"] == counts["total"]  # dense: every parameter is used by every token
     c = model.config
     assert counts["embedding"] == c.vocab_size * c.d_model  # one untied input table
+
+
+def test_building_a_dense_model_imports_no_hybrid_code():
+    code = ("import sys\nimport openpretrain.models.dense\n"
+            "from openpretrain.core import load_preset\n"
+            "from openpretrain.models.registry import build_model, model_config\n"
+            "build_model(model_config(load_preset('tiny')), device='meta')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('openpretrain.models')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert "openpretrain.models.dense" in loaded
+    assert not loaded & {"openpretrain.models.mamba2", "openpretrain.models.moe", "openpretrain.models.hybrid"}
 
 
 def test_tiny_preset_builds_a_small_model_on_cpu():

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from openpretrain.core import ConfigError, load_preset
 from openpretrain.models.common import cache_bytes_per_token, generate, param_counts
 from openpretrain.models.dense import DenseConfig, DenseLM
-from openpretrain.models.hybrid import (HybridConfig, HybridLM, build, build_model, config_from_hf, from_hf,
-                                        mamba_state_bytes, model_config, to_hf)
+from openpretrain.models.hybrid import HybridConfig, HybridLM, build, config_from_hf, from_hf, mamba_state_bytes, to_hf
+from openpretrain.models.registry import build_model, model_config
 from openpretrain.models.mamba2 import Mamba2Mixer, ssd_chunked, ssd_recurrent
 from openpretrain.models.moe import MoE, SigmoidRouter, sequence_balance_loss, update_expert_bias
 
@@ -277,6 +277,21 @@ def test_build_model_dispatches_on_the_preset_architecture():
     assert isinstance(dense, DenseConfig) and isinstance(build_model(dense, device="meta"), DenseLM)
     with pytest.raises(TypeError):
         build_model(object())
+
+
+def test_registry_converts_both_families_through_transformers():
+    from openpretrain.models import registry
+    for config in (SMALL, DenseConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=24)):
+        model = build_model(config)
+        back = registry.from_hf(registry.to_hf(model))
+        assert type(back) is type(model) and back.config == config
+    with pytest.raises(ConfigError, match="model_type 'llama'"):
+        registry.from_hf(transformers_model("llama"))
+
+
+def transformers_model(model_type: str):
+    "A stand-in with only what `from_hf` reads first: `config.model_type`."
+    return type("HF", (), {"config": type("C", (), {"model_type": model_type})()})()
 
 
 def test_model_config_names_an_unknown_architecture(tmp_path):

@@ -1,20 +1,27 @@
-"""Triton kernels against their PyTorch references: on CUDA, or on CPU through Triton's interpreter."""
+"""Triton kernels against their PyTorch references (on CUDA, or on CPU through Triton's interpreter), and how the
+kernels/ folder is installed: as `openpretrain_kernels`, never as a top-level `kernels`."""
+import importlib.util
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when kernels.xielu decorates its kernels (imported below)
-pytest.importorskip("triton")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when openpretrain_kernels.xielu decorates its kernels (imported below)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+if HAS_TRITON:  # triton present: the kernels package must import (it is part of the install)
+    from openpretrain_kernels.xielu import BLOCK, xielu_triton
 
-from kernels.xielu import BLOCK, xielu_triton  # noqa: E402
 from openpretrain.models.dense import XIELU, xielu  # noqa: E402
 from openpretrain.models.dense import xielu_reference as reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def inputs(dtype) -> torch.Tensor:
@@ -31,6 +38,7 @@ def trained_params(dtype):
     return act.alpha_p.to(dtype).detach(), act.alpha_n.to(dtype).detach()
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
 def test_fused_xielu_matches_reference_values_and_gradients(dtype, tol):
     x = inputs(dtype).requires_grad_()
@@ -49,6 +57,7 @@ def test_fused_xielu_matches_reference_values_and_gradients(dtype, tol):
         torch.testing.assert_close(got.float(), want, rtol=max(tol, 1e-4), atol=1e-2)
 
 
+@needs_triton
 def test_fused_xielu_keeps_shape_and_accepts_non_contiguous_input():
     x = inputs(torch.float32)[: 8 * 96].view(8, 96).t()  # (96, 8), non-contiguous
     ap, an = trained_params(torch.float32)
@@ -74,3 +83,24 @@ def test_library_imports_and_runs_without_triton():
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr
     assert "torch.Size([1, 4, 50])" in out.stdout
+
+
+def test_fallback_is_explicit_and_logged_with_its_reason():
+    code = ("import logging, sys; sys.modules['triton'] = None\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "from openpretrain.models.dense import _fused_xielu\n"
+            "assert _fused_xielu() is None and _fused_xielu() is None")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("xIELU on CUDA: PyTorch formula, triton is not installed") == 1  # logged once
+
+
+def test_kernels_install_under_a_name_that_shadows_no_other_distribution():
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"]["openpretrain_kernels"] == "kernels"
+    assert not any(p == "kernels" or p.startswith("kernels.") for p in tool["packages"])
+    # the package list is explicit (a mapped folder cannot be found by packages.find): it must name every
+    # folder of lib/ that holds modules, or a wheel would silently miss one
+    folders = {str(d.relative_to(ROOT / "lib")).replace("/", ".")
+               for d in (ROOT / "lib").rglob("*") if d.is_dir() and any(d.glob("*.py"))}
+    assert folders == set(tool["packages"]) - {"openpretrain_kernels"}

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,9 +19,11 @@ from ..core import ConfigError
 from .common import (Attention, AttnMask, KVCache, RMSNorm, Rotary, attention_mask,
                                         document_positions, materialize)
 
+log = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['DenseConfig', 'xielu_reference', 'xielu', 'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config', 'config_from_hf',
-           'to_hf', 'from_hf', 'train_flops_per_token']
+__all__ = ['log', 'DenseConfig', 'xielu_reference', 'xielu', 'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config',
+           'config_from_hf', 'to_hf', 'from_hf', 'train_flops_per_token']
 
 # %% ../../../nbs/06_dense.ipynb #df0fc1ab
 @dataclass(kw_only=True)
@@ -72,14 +76,22 @@ def xielu_reference(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0
     negative = an * (torch.expm1(x.clamp(max=eps)) - x) + beta * x
     return torch.where(x > 0, ap * x * x + beta * x, negative)
 
+# %% ../../../nbs/06_dense.ipynb #f3f159b2
 @functools.cache
 def _fused_xielu():
-    "The Triton kernel of kernels/xielu.py, or None where triton (or the kernels package) is unavailable."
-    try:
-        from kernels.xielu import xielu_triton
-    except ImportError:
-        return None
-    return xielu_triton
+    "The Triton xIELU kernel if Triton, CUDA and `openpretrain_kernels` are all present, else None; logs the choice once."
+    if importlib.util.find_spec("triton") is None:
+        reason = "triton is not installed"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA device"
+    elif importlib.util.find_spec("openpretrain_kernels") is None:
+        reason = "openpretrain_kernels is not installed (pip install -e .)"
+    else:
+        from openpretrain_kernels.xielu import xielu_triton
+        log.info("xIELU on CUDA: fused Triton kernel (openpretrain_kernels.xielu)")
+        return xielu_triton
+    log.warning(f"xIELU on CUDA: PyTorch formula, {reason}")
+    return None
 
 def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
     "xIELU: the fused Triton kernel on CUDA (eager), the PyTorch formula otherwise (and under torch.compile, which fuses it)."
@@ -87,6 +99,7 @@ def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: f
         return fused(x, alpha_p, alpha_n, beta, eps)
     return xielu_reference(x, alpha_p, alpha_n, beta, eps)
 
+# %% ../../../nbs/06_dense.ipynb #e9dc9c31
 class XIELU(nn.Module):
     "xIELU with its trainable pair (a_p, a_n), stored raw like transformers' `alpha_p`/`alpha_n` (shape (1,))."
     def __init__(self, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5, eps: float = -1e-6):

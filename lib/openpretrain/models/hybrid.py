@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..core import ConfigError, Preset
-from . import dense
+from ..core import ConfigError
 from .common import (Attention, KVCache, RMSNorm, attention_mask, document_segments, materialize,
                                         param_counts)
 from .mamba2 import GatedRMSNorm, Mamba2Mixer
@@ -21,9 +20,8 @@ from .moe import MoE, ReLU2MLP
 SOOFI_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # Soofi S = Nemotron 3 Nano, 52 layers
 
 # %% auto #0
-__all__ = ['SOOFI_PATTERN', 'MODEL_CONFIGS', 'HybridConfig', 'HybridBlock', 'HybridCache', 'HybridLM', 'build', 'init_weights',
-           'hf_config', 'config_from_hf', 'to_hf', 'from_hf', 'mamba_state_bytes', 'params_by_kind', 'model_config',
-           'build_model']
+__all__ = ['SOOFI_PATTERN', 'HybridConfig', 'HybridBlock', 'HybridCache', 'HybridLM', 'build', 'init_weights', 'hf_config',
+           'config_from_hf', 'to_hf', 'from_hf', 'mamba_state_bytes', 'params_by_kind']
 
 # %% ../../../nbs/07_hybrid.ipynb #50aab1ce
 @dataclass(kw_only=True)
@@ -264,22 +262,3 @@ def params_by_kind(model: HybridLM) -> dict[str, dict[str, int]]:
     rest = sum(p.numel() for m in (model.embeddings, model.lm_head, model.norm_f) for p in m.parameters())
     rows["embeddings + head"] = {"layers": 0, "total": rest, "active": rest}
     return rows
-
-# %% ../../../nbs/07_hybrid.ipynb #ca23e68d
-MODEL_CONFIGS = {"dense": dense.DenseConfig, "hybrid": HybridConfig}
-
-def model_config(preset: Preset) -> dense.DenseConfig | HybridConfig:
-    "The preset's `model:` section as the config class its `arch` names (dense | hybrid; default dense)."
-    arch = (preset.raw.get("model") or {}).get("arch", "dense")
-    if arch not in MODEL_CONFIGS:
-        raise ConfigError(f"{preset.name}.model.arch: unknown architecture '{arch}'; use one of {sorted(MODEL_CONFIGS)}")
-    return preset.section("model", MODEL_CONFIGS[arch])
-
-def build_model(config: dense.DenseConfig | HybridConfig, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, compile: bool = False) -> nn.Module:
-    "Any model of the project from its config: DenseConfig → DenseLM (ch. 06), HybridConfig → HybridLM (ch. 07)."
-    if isinstance(config, HybridConfig):
-        return build(config, device, dtype, compile)
-    if isinstance(config, dense.DenseConfig):
-        return dense.build(config, device, dtype, compile)
-    raise TypeError(f"build_model takes a DenseConfig or HybridConfig, got {type(config).__name__}")

@@ -1,0 +1,198 @@
+"""Curriculum specs, token files, packing, exact accounting and the resumable rank-sharded loader."""
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from openpretrain.core import ConfigError, from_dict
+from openpretrain.corpus import load_embedded
+from openpretrain.tokenization import load_tokenizer
+from openpretrain.training.data import (Curriculum, CurriculumExhausted, TokenLoader, accounting_table,
+                                        load_curriculum, pack_rows, row_counts, validate)
+
+MB = 16
+
+
+@pytest.fixture(scope="module")
+def loader():
+    return TokenLoader.from_preset("tiny", micro_batch=MB)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("bpe-bal-8k")
+
+
+def fresh(**kw):
+    return TokenLoader.from_preset("tiny", **{"micro_batch": MB, **kw})
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"stages\[0\].*unknown key 'weigth'"):
+        from_dict(Curriculum, {"name": "x", "stages": [{"name": "s", "tokens": 1, "weigth": 1}]})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: setattr(c.stages[0].sources[0], "weight", 0.9), "sum to 1"),
+    (lambda c: setattr(c.stages[0], "tokens", 5), r"stages\[0\] \(stage-1\)\.tokens = 5 but end − start"),
+    (lambda c: setattr(c.stages[1], "start", 1000), "previous stage ends at"),
+    (lambda c: setattr(c.stages[0].sources[1], "weight", None), "every source or for none"),
+    (lambda c: setattr(c.stages[0].sources[0], "select", None), r"sources\[0\] \(fortunes-en\)\.select"),
+    (lambda c: setattr(c.stages[1].sources[2], "max_documents", 7), r"\(udhr\): name reused"),
+])
+def test_bad_tiny_spec_fails_naming_the_key(edit, message):
+    c = copy.deepcopy(load_curriculum("tiny"))
+    edit(c)
+    with pytest.raises(ConfigError, match=message):
+        validate(c)
+
+
+def test_soofi_effective_must_equal_raw_times_epochs():
+    c = copy.deepcopy(load_curriculum("soofi-30b-a3b"))
+    c.stages[0].sources[0].effective *= 2
+    with pytest.raises(ConfigError, match=r"effective = .* but raw × epochs"):
+        validate(c)
+
+
+def test_soofi_phase_budgets_match_table_2_token_counts():
+    p1, p2, p3 = load_curriculum("soofi-30b-a3b").stages
+    assert p1.iterations * p1.tokens_per_iteration == 19_999_984_975_872  # Table 2 / §2.1, as printed
+    assert p2.iterations * p2.tokens_per_iteration == 4_999_996_243_968 + 1_575_128_924_160  # main + constant
+    assert p3.iterations * p3.tokens_per_iteration == 2_000 * 1_048_576 * 48
+
+
+def test_apertus_stages_cover_15t_contiguously():
+    for name, n in (("apertus-70b", 5), ("apertus-8b", 4)):
+        stages = load_curriculum(name).stages
+        assert len(stages) == n and stages[0].start == 0 and stages[-1].end == 15_000
+        assert all(a.end == b.start for a, b in zip(stages, stages[1:]))
+
+
+def test_row_counts_sum_exactly_and_follow_weights():
+    counts = row_counts({"a": 0.3, "b": 0.25, "c": 0.2, "d": 0.15, "e": 0.1}, 1537)
+    assert sum(counts.values()) == 1537
+    assert all(abs(counts[n] - w * 1537) < 1 for n, w in {"a": 0.3, "b": 0.25, "c": 0.2, "d": 0.15, "e": 0.1}.items())
+
+
+def test_token_files_decode_back_to_the_selected_documents(loader, tok):
+    pool = loader.pools["romansh"]
+    corpus = load_embedded().to_pandas()
+    texts = corpus[corpus.source == "firefox-esr-l10n-rm"].text.head(60).tolist()  # the spec: max_documents 60
+    docs = pool.documents()
+    assert len(docs) == len(texts)
+    for doc, text in zip(docs, texts):
+        assert doc[0] == tok.bos_id and doc[-1] == tok.eos_id
+        assert tok.tok.decode(doc[1:-1].tolist(), skip_special_tokens=False) == text
+
+
+def test_packed_row_is_the_pool_stream_and_documents_split_at_bod(loader, tok):
+    pool = loader.pools["kjv"].tokens
+    rows = np.stack([pool[j * 256:(j + 1) * 256 + 1] for j in range(3)])
+    b = pack_rows(rows, tok.bos_id, tok.eos_id)
+    assert torch.equal(b.input_ids[:, 1:], b.labels[:, :-1])
+    assert torch.equal(b.labels[:-1, -1], b.input_ids[1:, 0])  # consecutive rows overlap by one token
+    for r in range(3):  # decode each segment: it is one piece of one document, starting at a BoD
+        seg = b.doc_ids[r]
+        for d in seg.unique().tolist():
+            ids = b.input_ids[r][seg == d].tolist()
+            assert tok.bos_id not in ids[1:] and (d == 0 or ids[0] == tok.bos_id)
+
+
+def test_loss_mask_is_false_on_eod_targets_and_after_eod_only(loader, tok):
+    b = fresh().next_batch()
+    assert not b.loss_mask[b.labels == tok.eos_id].any()
+    assert not b.loss_mask[b.input_ids == tok.eos_id].any()
+    other = (b.labels != tok.eos_id) & (b.input_ids != tok.eos_id)
+    assert b.loss_mask[other].all()  # no Goldfish hook given: nothing else is masked
+    assert (b.labels == tok.eos_id).any()
+
+
+def test_label_mask_hook_is_anded_into_the_loss_mask(tok):
+    drop_even = lambda labels: labels % 2 == 1
+    b = fresh(label_mask=drop_even).next_batch()
+    assert not b.loss_mask[b.labels % 2 == 0].any()
+
+
+def test_accounting_equals_tokens_yielded_per_stage_and_source(loader):
+    table = accounting_table(loader)
+    ld = fresh()
+    yielded = {}
+    while ld.tokens_seen < ld.total_tokens:
+        stage = ld.curriculum.stages[ld.stage_index].name
+        b = ld.next_batch()
+        for s in b.source_ids.tolist():
+            key = (stage, ld.source_names[s])
+            yielded[key] = yielded.get(key, 0) + int(b.labels.numel() // b.labels.shape[0])
+    expected = {(r.stage, r.source): int(r["consumed tokens"]) for _, r in table.iterrows()}
+    assert yielded == expected
+    assert sum(yielded.values()) == ld.tokens_seen == 524_288  # the tiny curriculum's two budgets
+    raw = {r.source: int(r["raw tokens"]) for _, r in table.iterrows()}
+    assert raw == {n: len(p.tokens) for n, p in loader.pools.items()}
+
+
+def test_stage_switches_by_tokens_consumed(loader):
+    ld = fresh()
+    ld.load_state_dict({**ld.state_dict(), "tokens_seen": 393_216, "micro_step": 0})
+    assert ld.stage_index == 1
+    stage2 = {s.name for s in ld.curriculum.stages[1].sources}
+    assert {ld.source_names[s] for s in ld.next_batch().source_ids.tolist()} <= stage2
+
+
+def test_resume_from_state_dict_reproduces_the_batches():
+    a = fresh(micro_batch=4)
+    [a.next_batch() for _ in range(5)]
+    cont = [a.next_batch() for _ in range(3)]
+    b = fresh(micro_batch=4)
+    [b.next_batch() for _ in range(5)]
+    state = json.loads(json.dumps(b.state_dict()))
+    c = fresh(micro_batch=4)
+    c.load_state_dict(state)
+    for x, y in zip(cont, [c.next_batch() for _ in range(3)]):
+        for f in ("input_ids", "labels", "loss_mask", "doc_ids", "source_ids"):
+            assert torch.equal(getattr(x, f), getattr(y, f))
+
+
+def test_two_ranks_are_disjoint_and_together_equal_one_rank():
+    one = [b for ld in [fresh(micro_batch=8)] for b in (ld.next_batch(), ld.next_batch())]
+    ranks = [fresh(micro_batch=4, rank=r, world_size=2) for r in (0, 1)]
+    for b in one:
+        parts = [ld.next_batch() for ld in ranks]
+        assert torch.equal(torch.cat([p.input_ids for p in parts]), b.input_ids)
+    assert ranks[0].tokens_seen == ranks[1].tokens_seen == 2 * 8 * 256
+
+
+def test_batch_doubling_reads_the_same_rows_with_more_micro_batches():
+    small = fresh(micro_batch=4)
+    rows = torch.cat([small.next_batch().input_ids for _ in range(4)])  # 2 steps of 8 rows, then 1 step of 16
+    big = fresh(micro_batch=16)
+    assert torch.equal(rows, big.next_batch().input_ids)
+
+
+def test_seed_changes_the_order_but_not_the_accounting(loader):
+    other = TokenLoader(loader.curriculum, loader.pools, 256, MB, loader.bod, loader.eod, seed=1)
+    assert not torch.equal(fresh().next_batch().input_ids, other.next_batch().input_ids)
+    assert accounting_table(other).equals(accounting_table(loader))
+
+
+def test_loader_raises_when_the_curriculum_is_exhausted():
+    ld = fresh()
+    ld.load_state_dict({**ld.state_dict(), "tokens_seen": 524_288})
+    with pytest.raises(CurriculumExhausted, match="524,288 tokens"):
+        ld.next_batch()
+
+
+def test_state_of_another_curriculum_is_rejected():
+    ld = fresh()
+    with pytest.raises(ValueError, match="seed"):
+        ld.load_state_dict({**ld.state_dict(), "seed": 7})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "gpu-1", "apertus-8b", "apertus-70b", "soofi-30b-a3b"])
+def test_every_preset_names_a_valid_curriculum(preset):
+    from openpretrain.core import load_preset
+    from openpretrain.training.data import DataConfig
+    config = load_preset(preset).section("data", DataConfig)
+    stages = load_curriculum(config.curriculum).stages
+    assert stages and all(st.tokens > 0 and st.sources for st in stages)
