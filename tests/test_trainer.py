@@ -1,0 +1,243 @@
+"""The training loop: resume after SIGKILL, checkpoint integrity, NaN stops, preset errors before compute."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from openpretrain.core import ConfigError
+from openpretrain.training import trainer
+from openpretrain.training.trainer import (CheckpointError, NonFiniteError, checkpoints, latest_valid_checkpoint, main,
+                                          plan, read_metrics, train, verify_checkpoint, write_checkpoint)
+
+TESTS = Path(__file__).parent
+
+
+class SyntheticLoader:
+    "Deterministic micro-batches: global micro-batch g = call·W + rank is a function of (seed, g) only."
+    def __init__(self, pl, rank, world_size, label_mask=None):
+        self.seed, self.rank, self.world, self.label_mask = pl.preset.seed, rank, world_size, label_mask
+        self.rows, self.seq_len, self.vocab = pl.train.micro_batch, pl.data.seq_len, pl.model.vocab_size
+        self.calls = 0
+
+    def next_batch(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls * self.world + self.rank)
+        self.calls += 1
+        start = torch.randint(0, self.vocab, (self.rows, 1), generator=g)
+        stride = torch.randint(1, 7, (self.rows, 1), generator=g)
+        seq = (start + stride * torch.arange(self.seq_len + 1)) % self.vocab    # learnable progressions
+        labels = seq[:, 1:]
+        mask = torch.rand(self.rows, self.seq_len, generator=g) > 0.1
+        if self.label_mask is not None:
+            mask &= self.label_mask(labels)
+        return SimpleNamespace(input_ids=seq[:, :-1], labels=labels, loss_mask=mask,
+                               doc_ids=torch.zeros(self.rows, self.seq_len, dtype=torch.long))
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, d):
+        self.calls = d["calls"]
+
+
+def write_preset(folder: Path, name: str = "t", arch: str = "dense", **train_overrides) -> Path:
+    "A CPU-sized preset: 2-layer model, 32-token rows, batch 4 → 8 sequences at step 3."
+    model = ({"arch": "dense", "vocab_size": 8192, "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
+              "mlp_hidden": 64, "max_seq_len": 64} if arch == "dense" else
+             {"arch": "hybrid", "vocab_size": 8192, "d_model": 32, "pattern": "ME*", "n_heads": 2, "n_kv_heads": 1,
+              "head_dim": 16, "mamba_heads": 4, "mamba_head_dim": 8, "mamba_groups": 1, "mamba_state": 8,
+              "mamba_chunk": 16, "n_experts": 4, "top_k": 2, "expert_hidden": 16, "shared_hidden": 16})
+    preset = {
+        "preset": name, "seed": 0, "device": "cpu",
+        "tokenizer": {"name": "bpe-bal-8k", "vocab_size": 8192},
+        "model": model,
+        "data": {"curriculum": "tiny", "seq_len": 32},
+        "goldfish": {"k": 4, "h": 3},
+        "optim": {"name": "ademamix", "lr": 3e-3, "betas": [0.9, 0.999, 0.999], "t_alpha": 20, "t_beta3": 20,
+                  "clip": 1.0, "seq_len": 32, "batch_size": 4, "batch_increase_at": [384], "batch_increase_to": [8],
+                  "schedule": {"kind": "wsd", "unit": "steps", "warmup": 2, "total": 20, "decay": 4}},
+        "train": {"micro_batch": 2, "precision": "fp32", "checkpoint_every": 2, "keep_last": 2,
+                  "tensorboard": False, **train_overrides},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_trainer import SyntheticLoader
+from openpretrain.training.trainer import train
+a = json.loads(sys.argv[1])
+train(a["preset"], a["out"], a.get("max_steps"), a.get("resume", False), loader_factory=SyntheticLoader)
+"""
+
+
+def worker_script(folder: Path) -> Path:
+    path = folder / "worker.py"
+    path.write_text(WORKER.format(tests=str(TESTS)))
+    return path
+
+
+def losses(metrics) -> list[float]:
+    return [row["loss"] for row in read_metrics(metrics)]
+
+
+def run(preset, out, max_steps, resume=False):
+    return train(preset, out, max_steps, resume, loader_factory=SyntheticLoader)
+
+
+def test_resume_after_sigkill_reproduces_losses(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2, keep_last=2)
+    reference = losses(run(preset, tmp_path / "reference", 10))
+    kill_after = random.Random(20261130).randint(3, 8)      # a step, drawn once, that the run is killed after
+    script, out = worker_script(tmp_path), tmp_path / "killed"
+    args = json.dumps({"preset": str(preset), "out": str(out), "max_steps": 10})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script), args], env=env, stderr=subprocess.DEVNULL)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run([sys.executable, str(script), json.dumps({**json.loads(args), "resume": True})], env=env,
+                   check=True, stderr=subprocess.DEVNULL)
+    assert losses(metrics) == reference, f"killed after step {kill_after}"
+
+
+def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(tmp_path, capsys):
+    preset = write_preset(tmp_path, checkpoint_every=2, keep_last=3)
+    reference = losses(run(preset, tmp_path / "run", 6))
+    newest = tmp_path / "run" / "checkpoints" / "step-00000006" / "optimizer.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])           # truncated
+    with pytest.raises(CheckpointError, match="optimizer.safetensors does not match its sha256"):
+        verify_checkpoint(newest.parent)
+    assert latest_valid_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000004"
+    resumed = losses(run(preset, tmp_path / "run", 6, resume=True))
+    assert "refusing checkpoint" in capsys.readouterr().err
+    assert resumed == reference
+
+
+def test_interrupted_checkpoint_write_is_never_loaded(tmp_path):
+    write_checkpoint(tmp_path, 1, {"state.json": {"step": 1}})
+    partial = tmp_path / "step-00000002"                     # a folder without its manifest, as a crash leaves
+    partial.mkdir()
+    (partial / "state.json").write_text("{}")
+    assert latest_valid_checkpoint(tmp_path).name == "step-00000001"
+
+
+def test_keep_last_prunes_rolling_checkpoints_but_keeps_milestones(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=1, keep_last=2, milestones=[2])
+    run(preset, tmp_path / "run", 6)
+    assert [p.name for p in checkpoints(tmp_path / "run" / "checkpoints")] == [
+        "step-00000002", "step-00000005", "step-00000006"]
+
+
+def test_metrics_have_one_row_per_optimizer_step_with_the_schedule(tmp_path):
+    pl_path = write_preset(tmp_path)
+    rows = read_metrics(run(pl_path, tmp_path / "run", 5))
+    pl = plan(pl_path, 5)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows] == [pl.schedule.lr_at(s) for s in range(5)]
+    assert [r["batch_size"] for r in rows] == [4, 4, 4, 8, 8]                 # doubling after 384 tokens = 3 steps
+    assert [r["tokens"] for r in rows] == [128, 256, 384, 640, 896]
+    for r in rows:
+        assert 0 < r["goldfish_dropped"] < r["masked_share"] < 1 and r["grad_norm"] > 0 and r["mfu"] > 0
+
+
+def test_hybrid_logs_expert_load(tmp_path):
+    rows = read_metrics(run(write_preset(tmp_path, arch="hybrid"), tmp_path / "run", 3))
+    assert all(r["moe_max_load"] >= 1.0 for r in rows)      # max/mean load: 1 only when perfectly balanced
+
+
+def poison(monkeypatch, at_call: int, where: str):
+    "Make the model's `at_call`-th forward return NaN logits, or its gradients NaN."
+    build = trainer.build_model
+    def build_poisoned(*args, **kwargs):
+        model, calls = build(*args, **kwargs), {"n": 0}
+        def hook(module, inputs, output):
+            calls["n"] += 1
+            if calls["n"] != at_call:
+                return output
+            if where == "loss":
+                return output * float("nan")
+            output.register_hook(lambda g: g * float("nan"))
+            return output
+        model.register_forward_hook(hook)
+        return model
+    monkeypatch.setattr(trainer, "build_model", build_poisoned)
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, where):
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    poison(monkeypatch, at_call=5, where=where)             # 2 micro-batches per step: the 5th forward is step 3's
+    with pytest.raises(NonFiniteError, match=rf"step 3: loss {'nan' if where == 'loss' else '[0-9.]+'}, "
+                                             rf"gradient norm nan.*step-00000002"):
+        run(preset, tmp_path / "run", 6)
+    good = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
+    assert good.name == "step-00000002"
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def no_compute(monkeypatch):
+    monkeypatch.setattr(trainer, "build_model", lambda *a, **k: pytest.fail("a model was built for a bad preset"))
+
+
+def test_unknown_train_key_fails_before_compute_naming_it(tmp_path, monkeypatch):
+    no_compute(monkeypatch)
+    with pytest.raises(ConfigError, match="unknown key 'micro_batchs'.*did you mean 'micro_batch'"):
+        run(write_preset(tmp_path, micro_batchs=2), tmp_path / "run", 2)
+
+
+def test_vocab_mismatch_between_tokenizer_and_model_fails_before_compute(tmp_path, monkeypatch):
+    no_compute(monkeypatch)
+    path = write_preset(tmp_path)
+    preset = yaml.safe_load(path.read_text())
+    preset["model"]["vocab_size"] = 4096
+    path.write_text(yaml.safe_dump(preset))
+    with pytest.raises(ConfigError, match="vocab_size 8,192 but model.vocab_size is 4,096"):
+        run(path, tmp_path / "run", 2)
+
+
+def test_budget_smaller_than_one_batch_fails_before_compute(tmp_path, monkeypatch):
+    no_compute(monkeypatch)
+    curriculum = yaml.safe_load((Path(__file__).parents[1] / "configs" / "curricula" / "tiny.yaml").read_text())
+    curriculum["name"] = "small"
+    curriculum["stages"] = curriculum["stages"][:1]
+    curriculum["stages"][0]["end"] = 64                       # 2 rows of 32 tokens; a batch is 4 rows
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(curriculum))
+    path = write_preset(tmp_path)
+    preset = yaml.safe_load(path.read_text())
+    preset["data"]["curriculum"] = str(tmp_path / "small.yaml")
+    path.write_text(yaml.safe_dump(preset))
+    with pytest.raises(ConfigError, match="curriculum 'small' has 64 tokens, fewer than one batch"):
+        run(path, tmp_path / "run", 2)
+
+
+def test_cli_reports_a_bad_preset_in_one_line_and_exits_2(tmp_path, capsys):
+    assert main(["--preset", str(write_preset(tmp_path, parallel="zero3")), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.parallel: 'zero3' is not ddp | fsdp2" in err
+
+
+def test_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+    preset = write_preset(tmp_path)
+    run(preset, tmp_path / "run", 2)
+    ckpt = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
+    ours = trainer.load_model(preset, ckpt).eval()
+    hf = AutoModelForCausalLM.from_pretrained(trainer.export_hf(preset, ckpt, tmp_path / "hf")).eval()
+    ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)
