@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from openpretrain.core import ConfigError, load_preset
-from openpretrain.models.hybrid import build_model, model_config
+from openpretrain.models.registry import build_model, model_config
 from openpretrain.training.optim import (AdEMAMix, OptimConfig, ScheduleConfig, StageConfig, alpha_at, beta3_at,
                                          build_optimizer, build_schedule, clip_grad, param_groups)
 

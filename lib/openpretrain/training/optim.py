@@ -211,9 +211,9 @@ class Schedule:
 
     @property
     def total_steps(self) -> int:
-        "Optimiser steps to the end of the last segment."
+        "Whole optimiser steps that fit in the schedule (a token budget that is no whole number of batches rounds down)."
         total = sum(s.length for s in self.segments)
-        return math.ceil(total if self.unit == "steps" else self.steps_at(total))
+        return math.floor((total if self.unit == "steps" else self.steps_at(total)) + 1e-9)
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         "Set every group's learning rate for `step`; returns it."
