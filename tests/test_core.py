@@ -277,3 +277,16 @@ def test_cli_still_refuses_unknown_flags_of_its_own_commands():
     with pytest.raises(SystemExit) as e:
         main(["presets", "--bogus"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("section,knob,value", [("toxicity", "remove_share", 1.5), ("toxicity", "remove_share", ".nan"),
+                                                ("toxicity", "chunk_words", 0), ("robots", "max_bytes", -1),
+                                                ("robots", "top_n", -5)])
+def test_compliance_knobs_out_of_range_are_refused_with_the_preset_line(tmp_path, section, knob, value):
+    from openpretrain.compliance.robots import RobotsConfig
+    from openpretrain.compliance.toxicity import ToxicityConfig
+    path = tmp_path / "x.yaml"
+    path.write_text(f"preset: x\n{section}:\n  {knob}: {value}\n")
+    cls = {"robots": RobotsConfig, "toxicity": ToxicityConfig}[section]
+    with pytest.raises(ConfigError, match=f"x.yaml:3: .*{knob}"):
+        load_preset(path).section(section, cls)

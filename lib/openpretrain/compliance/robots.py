@@ -33,7 +33,7 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 from protego import Protego
 
 from .ledger import record
-from ..core import ConfigError
+from ..core import ConfigError, bounded
 from ..corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, registrable_domain
 
 # %% auto #0
@@ -253,8 +253,8 @@ class RobotsConfig:
     mode: str = "url"            # url: per-document match (public pipeline) | domain: whole host blocked (report text)
     domain_scope: str = "host"   # domain mode unit: host (exact netloc) | registrable (eTLD+1, any subdomain blocks)
     policy: str = "apertus"      # missing robots.txt: apertus (4xx, 5xx usable) | rfc9309 (5xx/network = disallow all)
-    max_bytes: int = MAX_ROBOTS_BYTES  # bytes of a robots.txt parsed (RFC 9309: at least 500 KiB)
-    top_n: int = 1_000_000       # hosts whose robots.txt is fetched, per split (Apertus: 1M English + 1M non-English)
+    max_bytes: int = bounded(MAX_ROBOTS_BYTES, 1)  # bytes of a robots.txt parsed (RFC 9309: at least 500 KiB)
+    top_n: int = bounded(1_000_000, 1)  # hosts whose robots.txt is fetched, per split (Apertus: 1M English + 1M non-English)
     rank_by: str = "chars"       # volume that ranks hosts: chars | tokens (Apertus: text volume)
     matching: str = "protego"    # group/path matching: protego (public pipeline, Protego 0.7) | strict (RFC 9309 as Google)
 

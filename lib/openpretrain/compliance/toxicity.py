@@ -26,7 +26,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from .ledger import record
-from ..core import data_dir, project_root
+from ..core import bounded, data_dir, project_root
 
 # %% auto #0
 __all__ = ['WEAK_DIMENSIONS', 'WEAK_SOURCES', 'TOXIC_COMMONS_DIMENSIONS', 'FALLBACKS', 'LANGUAGE_CODES', 'ToxicityConfig',
@@ -42,21 +42,21 @@ __all__ = ['WEAK_DIMENSIONS', 'WEAK_SOURCES', 'TOXIC_COMMONS_DIMENSIONS', 'FALLB
 class ToxicityConfig:
     embedder: str = "use-m3"  # use-m3 (offline multilingual USE v3) | xlm-roberta (Apertus: frozen xlm-roberta-base)
     encoder: str = "FacebookAI/xlm-roberta-base"  # hub name of the real-run encoder (Apertus: XLM-RoBERTa-base)
-    chunk_tokens: int = 512  # XLM-R tokens per chunk, specials included (Apertus: 512)
-    chunk_words: int = 128  # words per chunk for the USE embedder (no published value; USE pools, no hard limit)
-    max_chunks: int = 0  # score only a document's first N chunks; 0 = every chunk (Apertus: every chunk)
+    chunk_tokens: int = bounded(512, 2)  # XLM-R tokens per chunk, specials included (Apertus: 512)
+    chunk_words: int = bounded(128, 1)  # words per chunk for the USE embedder (no published value; USE pools, no hard limit)
+    max_chunks: int = bounded(0, 0)  # score only a document's first N chunks; 0 = every chunk (Apertus: every chunk)
     train_source: str = "weak"  # weak (offline lexicon/collection labels) | toxic-commons (Apertus: PleIAs/ToxicCommons)
     toxic_commons: str = "PleIAs/ToxicCommons"  # hub name or local csv/parquet/jsonl in its schema
     languages: list[str] = field(default_factory=lambda: ["en", "de", "it", "es"])  # heads (Apertus: en zh fr de it nl pl es pt)
-    min_toxic: int = 50  # a language gets its own head only with at least this many toxic examples
-    epochs: int = 6  # (Apertus: 6)
-    val_share: float = 0.1  # held-out share for checkpoint selection (Apertus: 10%)
-    dropout: float = 0.2  # (Apertus: 0.2)
-    lr: float = 1e-3  # AdamW learning rate of the head (not published)
-    batch_size: int = 32  # head training batch (not published)
-    remove_share: float = 0.05  # share of each language's documents removed (Apertus: 5%)
-    calibration_docs: int = 2000  # documents per language to fit the threshold on (public pipeline: a 1M sample)
-    min_language_docs: int = 100  # a language with fewer sampled documents is cut at the all-languages threshold '*'
+    min_toxic: int = bounded(50, 1)  # a language gets its own head only with at least this many toxic examples
+    epochs: int = bounded(6, 1)  # (Apertus: 6)
+    val_share: float = bounded(0.1, 0.0, 0.5)  # held-out share for checkpoint selection (Apertus: 10%)
+    dropout: float = bounded(0.2, 0.0, 0.99)  # (Apertus: 0.2)
+    lr: float = bounded(1e-3, 0.0)  # AdamW learning rate of the head (not published)
+    batch_size: int = bounded(32, 1)  # head training batch (not published)
+    remove_share: float = bounded(0.05, 0.0, 1.0)  # share of each language's documents removed (Apertus: 5%)
+    calibration_docs: int = bounded(2000, 1)  # documents per language to fit the threshold on (public pipeline: a 1M sample)
+    min_language_docs: int = bounded(100, 0)  # a language with fewer sampled documents is cut at the all-languages threshold '*'
     fallback: str = "multilingual"  # languages without a head: multilingual | closest | random (public pipeline: random 5%)
     closest: dict = field(default_factory=lambda: {"fr": "it", "rm": "it", "pt": "es", "gsw": "de", "nl": "de"})  # closest-head map
     seed: int = 0  # subsampling, split and init seed
