@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -111,7 +111,10 @@ def run_serving(cfg: ServingConfig, device: str = "cpu", seed: int = 0):
     frames = []
     for name in cfg.models:
         torch.manual_seed(seed)
-        model = build_model(model_config(load_preset(name)), device=device, dtype=getattr(torch, cfg.dtype)).eval()
+        config = model_config(load_preset(name))
+        if hasattr(config, "max_seq_len"):  # the sweep's contexts may exceed the training context (RoPE extends)
+            config = replace(config, max_seq_len=max(cfg.contexts) + cfg.o_long)
+        model = build_model(config, device=device, dtype=getattr(torch, cfg.dtype)).eval()
         rows = serving_sweep(model, cfg.contexts, cfg.batch, cfg.o_long, cfg.o_short, cfg.reps, seed)
         frames.append(pd.DataFrame(rows).assign(preset=name, arch=model.config.arch))
         del model
