@@ -148,12 +148,8 @@ SECTIONS = (
     "goldfish",        # 09: Goldfish loss masks
     "optim",           # 10: AdEMAMix / AdamW and the WSD schedule
     "train",           # 11: the training loop
-    "memorization",    # 12: memorisation probes
     "evaluation",      # 13: lm-evaluation-harness
     "serving",         # 14: decode throughput
-    "decontamination", # 15
-    "sft",             # 16
-    "alignment",       # 17: QRPO
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 
