@@ -1,12 +1,14 @@
 """Curriculum specs, token files, packing, exact accounting and the resumable rank-sharded loader."""
 import copy
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from openpretrain.core import ConfigError, from_dict
+from openpretrain.core import ConfigError, configs_dir, from_dict
 from openpretrain.corpus import load_embedded
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.data import (Curriculum, CurriculumExhausted, TokenLoader, accounting_table,
@@ -15,9 +17,21 @@ from openpretrain.training.data import (Curriculum, CurriculumExhausted, TokenLo
 MB = 16
 
 
+def tiny_embedded() -> str:
+    "The tiny preset reading the embedded corpus, whether or not a report run has left compliance output behind."
+    text = (configs_dir() / "tiny.yaml").read_text()
+    assert "  input: auto" in text
+    path = Path(tempfile.mkdtemp()) / "tiny.yaml"
+    path.write_text(text.replace("  input: auto", "  input: embedded"))
+    return str(path)
+
+
+TINY = tiny_embedded()
+
+
 @pytest.fixture(scope="module")
 def loader():
-    return TokenLoader.from_preset("tiny", micro_batch=MB)
+    return TokenLoader.from_preset(TINY, micro_batch=MB)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +40,7 @@ def tok():
 
 
 def fresh(**kw):
-    return TokenLoader.from_preset("tiny", **{"micro_batch": MB, **kw})
+    return TokenLoader.from_preset(TINY, **{"micro_batch": MB, **kw})
 
 
 def test_unknown_key_is_named():
