@@ -61,8 +61,8 @@ def test_dense_cache_has_no_fixed_state():
 
 def test_serving_sweep_times_each_context_with_cached_decoding():
     model = build_model(model_config(load_preset("tiny-hybrid"))).eval()
-    rows = serving_sweep(model, [8, 16], batch=2, o_long=3)
+    rows = serving_sweep(model, [8, 16], batch=2, o_long=33)  # 32 decode steps: well above timer noise under load
     assert [r["context"] for r in rows] == [8, 16]
     for r in rows:
         assert r["t_long_s"] > r["t_short_s"] > 0
-        assert r["decode_tps"] == pytest.approx(2 * 2 / (r["t_long_s"] - r["t_short_s"]))
+        assert r["decode_tps"] == pytest.approx(2 * 32 / (r["t_long_s"] - r["t_short_s"]))
