@@ -116,12 +116,16 @@ def test_every_document_leaves_the_pipeline_exactly_once(tmp_path_factory, spec,
 
 # --- crash and resume ---------------------------------------------------------------------------------------------------
 
-CRASHING_RUN = textwrap.dedent("""
+# What both kill-and-resume scripts share: argv = input folder, output folder, marker file, robots snapshot.
+SCRIPT_HEAD = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     from datatrove.pipeline.base import PipelineStep
     from openpretrain.compliance.pipeline import build_pipeline, make_executor
     inp, out, marker = map(Path, sys.argv[1:4])
+""")
+
+CRASHING_RUN = SCRIPT_HEAD + textwrap.dedent("""
 
     class KillOnce(PipelineStep):
         "SIGKILL the whole process in the middle of rank 2, the first time only."
@@ -292,12 +296,7 @@ def test_ray_executor_runs_the_pipeline_and_conserves_documents(tmp_path):
 
 # --- issue 9: hardening -------------------------------------------------------------------------------------------------
 
-KILL_A_WORKER = textwrap.dedent("""
-    import os, signal, sys
-    from pathlib import Path
-    from datatrove.pipeline.base import PipelineStep
-    from openpretrain.compliance.pipeline import build_pipeline, make_executor
-    inp, out, marker = map(Path, sys.argv[1:4])
+KILL_A_WORKER = SCRIPT_HEAD + textwrap.dedent("""
 
     class KillWorkerOnce(PipelineStep):
         "SIGKILL the pool worker running rank 3, the first time only (the main process survives)."
