@@ -74,6 +74,7 @@ def test_soofi_phase_budgets_match_table_2_token_counts():
     p1, p2, p3 = load_curriculum("soofi-30b-a3b").stages
     assert p1.iterations * p1.tokens_per_iteration == 19_999_984_975_872  # Table 2 / §2.1, as printed
     assert p2.iterations * p2.tokens_per_iteration == 4_999_996_243_968 + 1_575_128_924_160  # main + constant
+    assert p2.discarded_iterations == 1_067_920 - 1_056_000                    # final annealing: 1,056,000 → 1,067,920
     assert p3.iterations * p3.tokens_per_iteration == 2_000 * 1_048_576 * 48
 
 

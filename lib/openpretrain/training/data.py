@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +26,11 @@ from ..tokenization import TokenizerConfig, load_tokenizer
 UNITS = {"tokens": 1, "B": 10**9, "T": 10**12}  # how a curriculum writes token counts
 
 # %% auto #0
-__all__ = ['UNITS', 'REL_TOL', 'SourceSpec', 'StageSpec', 'Curriculum', 'load_curriculum', 'validate', 'stage_weights',
-           'published_table', 'stage_table', 'DataConfig', 'input_documents', 'TokenizeSources', 'tokenize_curriculum',
-           'TokenPool', 'row_counts', 'StagePlan', 'stage_counts', 'stage_plan', 'Batch', 'pack_rows',
-           'CurriculumExhausted', 'TokenLoader', 'accounting_table', 'phase_table']
+__all__ = ['UNITS', 'REL_TOL', 'SourceSpec', 'StageSpec', 'Curriculum', 'counted_tokens', 'stage_tokens', 'run_stages',
+           'load_curriculum', 'validate', 'stage_weights', 'published_table', 'stage_table', 'DataConfig',
+           'input_documents', 'TokenizeSources', 'tokenize_curriculum', 'TokenPool', 'row_counts', 'StagePlan',
+           'stage_counts', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted', 'TokenLoader', 'accounting_table',
+           'phase_table', 'budget_table']
 
 # %% ../../../nbs/08_data.ipynb #def50250
 @dataclass(kw_only=True)
@@ -46,15 +47,18 @@ class SourceSpec:
     share: float | None = None      # published share of the stage's effective tokens (fraction)
     weight: float | None = None     # share of the stage's rows; None → effective (or raw) / stage total
 
+# %% ../../../nbs/08_data.ipynb #c9eaf2a6
 @dataclass(kw_only=True)
 class StageSpec:
     name: str                       # stage / phase name
     role: str = ""                  # what the report says it is for
     start: float | None = None      # tokens consumed when the stage begins (curriculum unit)
     end: float | None = None        # tokens consumed when it ends
-    tokens: float | None = None     # budget: tokens consumed in the stage (= end − start when both given)
-    iterations: int | None = None   # published optimizer steps of the stage (Soofi Table 2)
+    tokens: float | None = None     # budget as printed: tokens consumed in the stage (= end − start when both given)
+    iterations: int | None = None   # published optimizer steps the budget counts (Soofi Table 2)
     tokens_per_iteration: int | None = None  # published tokens per step (Soofi: 25,165,824)
+    discarded_iterations: int = 0   # steps run on this mixture after `iterations`, checkpoints unused, not in `tokens` (Soofi phase 2: 11,920)
+    seq_len: int | None = None      # a separate run at its own row length (Soofi phase 3: 1,048,576); None = the main run
     pool: float | None = None       # published effective pool of the stage (Soofi Table 3)
     sources: list[SourceSpec] = field(default_factory=list)
 
@@ -63,7 +67,30 @@ class Curriculum:
     name: str                       # file stem in configs/curricula
     reference: str = ""             # table/section the numbers come from
     unit: str = "tokens"            # tokens | B | T
+    total: float | None = None      # published total consumed, checked against the stages (Soofi Table 3: ~26.68T)
     stages: list[StageSpec] = field(default_factory=list)
+
+# %% ../../../nbs/08_data.ipynb #7042fe3a
+def counted_tokens(c: Curriculum, st: StageSpec) -> int:
+    "The tokens a stage's budget counts, exactly: iterations × tokens per iteration when published, else as printed."
+    return st.iterations * st.tokens_per_iteration if st.iterations is not None else round(st.tokens * UNITS[c.unit])
+
+def stage_tokens(c: Curriculum, st: StageSpec) -> int:
+    "The tokens a run draws from the stage: the counted ones plus its discarded iterations on the same mixture."
+    return counted_tokens(c, st) + st.discarded_iterations * (st.tokens_per_iteration or 0)
+
+def run_stages(c: Curriculum, seq_len: int) -> Curriculum:
+    "The stages a run at `seq_len` reads, in order: a separate run's (own seq_len), else the main run's (None)."
+    stages = [st for st in c.stages if st.seq_len == seq_len] or [st for st in c.stages if st.seq_len is None]
+    if not stages:
+        lengths = sorted({st.seq_len for st in c.stages})
+        raise ConfigError(f"curriculum {c.name}: no stage runs at seq_len {seq_len:,} (its stages run at {lengths})")
+    return c if len(stages) == len(c.stages) else replace(c, stages=stages)
+
+@patch
+def budget(self: Curriculum, seq_len: int) -> int:
+    "Exact tokens a run at `seq_len` can draw from the curriculum."
+    return sum(stage_tokens(self, st) for st in run_stages(self, seq_len).stages)
 
 # %% ../../../nbs/08_data.ipynb #40147ec2
 REL_TOL = 0.01  # published numbers are rounded: budgets and totals must agree to 1 %
@@ -87,15 +114,18 @@ def validate(c: Curriculum) -> Curriculum:
     seen: dict[str, SourceSpec] = {}
     for i, st in enumerate(c.stages):
         where = f"{c.name}.stages[{i}] ({st.name})"
-        _check_budget(st, where, c.stages[i - 1] if i else None)
+        _check_budget(st, where, c.stages[i - 1] if i else None, c.unit)
         _check_sources(st, where, seen)
+    counted = sum(counted_tokens(c, st) for st in c.stages)
+    if c.total is not None and not _close(c.total * UNITS[c.unit], counted):
+        raise ConfigError(f"{c.name}.total = {c.total:g} {c.unit} but its stages count {counted:,} tokens")
     return c
 
 # %% ../../../nbs/08_data.ipynb #d5051bd2
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=1e-9)
 
-def _check_budget(st: StageSpec, where: str, prev: StageSpec | None) -> None:
+def _check_budget(st: StageSpec, where: str, prev: StageSpec | None, unit: str) -> None:
     if st.start is not None and st.end is not None:
         if prev is not None and prev.end is not None and not _close(prev.end, st.start):
             raise ConfigError(f"{where}.start = {st.start} but the previous stage ends at {prev.end}")
@@ -106,9 +136,44 @@ def _check_budget(st: StageSpec, where: str, prev: StageSpec | None) -> None:
         st.tokens = st.end - st.start
     if st.tokens is None or st.tokens <= 0:
         raise ConfigError(f"{where}.tokens: each stage needs a positive budget (tokens, or start and end)")
+    if st.seq_len is not None and st.seq_len < 1:
+        raise ConfigError(f"{where}.seq_len must be ≥ 1, got {st.seq_len}")
+    _check_iterations(st, where, unit)
+
+# %% ../../../nbs/08_data.ipynb #13713c23
+def _check_iterations(st: StageSpec, where: str, unit: str) -> None:
     if (st.iterations is None) != (st.tokens_per_iteration is None):
         raise ConfigError(f"{where}: iterations and tokens_per_iteration go together")
+    if st.discarded_iterations < 0 or (st.discarded_iterations and st.iterations is None):
+        raise ConfigError(f"{where}.discarded_iterations ({st.discarded_iterations}) must be ≥ 0, and needs "
+                          "iterations and tokens_per_iteration")
+    if st.iterations is None:
+        return
+    counted = st.iterations * st.tokens_per_iteration
+    if not _close(st.tokens * UNITS[unit], counted):
+        raise ConfigError(f"{where}.tokens = {st.tokens:g} {unit} but iterations × tokens_per_iteration = "
+                          f"{st.iterations:,} × {st.tokens_per_iteration:,} = {counted:,} tokens")
+    if st.seq_len is not None and st.tokens_per_iteration % st.seq_len:
+        raise ConfigError(f"{where}.tokens_per_iteration {st.tokens_per_iteration:,} is no whole number of "
+                          f"rows of seq_len {st.seq_len:,}")
 
+# %% ../../../nbs/08_data.ipynb #48257bb9
+def _check_source(s: SourceSpec, sw: str, seen: dict) -> None:
+    if s.raw is not None and s.epochs is not None and s.effective is not None \
+            and not _close(s.effective, s.raw * s.epochs):
+        raise ConfigError(f"{sw}.effective = {s.effective} but raw × epochs = {s.raw * s.epochs:g}")
+    if s.dataset != "embedded" and (s.select or s.max_documents):
+        raise ConfigError(f"{sw}.select/max_documents apply to embedded sources only (dataset {s.dataset!r})")
+    if s.dataset == "embedded" and not s.select:
+        raise ConfigError(f"{sw}.select: an embedded source needs a column selection, e.g. {{source: [udhr]}}")
+    if s.name in seen and _identity(seen[s.name]) != _identity(s):
+        raise ConfigError(f"{sw}: name reused for a different pool (dataset/subset/select differ)")
+    seen[s.name] = s
+
+def _identity(s: SourceSpec) -> tuple:
+    return (s.dataset, s.subset, json.dumps(s.select, sort_keys=True), s.max_documents)
+
+# %% ../../../nbs/08_data.ipynb #7fc06b9c
 def _check_sources(st: StageSpec, where: str, seen: dict) -> None:
     if not st.sources:
         raise ConfigError(f"{where}.sources: a stage needs at least one source")
@@ -116,17 +181,7 @@ def _check_sources(st: StageSpec, where: str, seen: dict) -> None:
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"{where}.sources: duplicate name(s) {', '.join(dup)}")
     for j, s in enumerate(st.sources):
-        sw = f"{where}.sources[{j}] ({s.name})"
-        if s.raw is not None and s.epochs is not None and s.effective is not None \
-                and not _close(s.effective, s.raw * s.epochs):
-            raise ConfigError(f"{sw}.effective = {s.effective} but raw × epochs = {s.raw * s.epochs:g}")
-        if s.dataset != "embedded" and (s.select or s.max_documents):
-            raise ConfigError(f"{sw}.select/max_documents apply to embedded sources only (dataset {s.dataset!r})")
-        if s.dataset == "embedded" and not s.select:
-            raise ConfigError(f"{sw}.select: an embedded source needs a column selection, e.g. {{source: [udhr]}}")
-        if s.name in seen and _identity(seen[s.name]) != _identity(s):
-            raise ConfigError(f"{sw}: name reused for a different pool (dataset/subset/select differ)")
-        seen[s.name] = s
+        _check_source(s, f"{where}.sources[{j}] ({s.name})", seen)
     weights = [s.weight for s in st.sources]
     if any(w is not None for w in weights):
         if any(w is None for w in weights):
@@ -137,9 +192,6 @@ def _check_sources(st: StageSpec, where: str, seen: dict) -> None:
         total = sum(s.effective for s in st.sources)
         if not _close(total, st.pool):
             raise ConfigError(f"{where}.pool = {st.pool} but its sources' effective tokens sum to {total:g}")
-
-def _identity(s: SourceSpec) -> tuple:
-    return (s.dataset, s.subset, json.dumps(s.select, sort_keys=True), s.max_documents)
 
 # %% ../../../nbs/08_data.ipynb #2335855d
 def stage_weights(st: StageSpec) -> dict[str, float]:
@@ -217,20 +269,12 @@ class TokenizeSources(PipelineStep):
         self.output_folder, self.sources, self.tokenizer, self.batch = output_folder, sources, tokenizer, batch
 
     def run(self, data, rank: int = 0, world_size: int = 1):
-        from datatrove.pipeline.tokens.tokenizer import TokenizedFile
         tok = load_tokenizer(self.tokenizer)
-        size = 2 if tok.vocab_size <= 65536 else 4
-        files = {s.name: TokenizedFile(f"{self.output_folder}/{s.name}", f"{rank:05d}.ds", token_size=size,
-                                       tokenizer_name_or_path=tok.name, save_final_metadata=True)
-                 for s in self.sources}
+        files = self._open(tok, rank)
         taken = {s.name: 0 for s in self.sources}
         pending: list = []
         for doc in data:
-            targets = [s.name for s in self.sources if _selected(doc, s) and (s.max_documents is None
-                                                                                or taken[s.name] < s.max_documents)]
-            for t in targets:
-                taken[t] += 1
-            if targets:
+            if targets := self._route(doc, taken):
                 pending.append((doc, targets))
             if len(pending) >= self.batch:
                 self._write(pending, tok, files)
@@ -239,6 +283,24 @@ class TokenizeSources(PipelineStep):
         self._write(pending, tok, files)
         for f in files.values():
             f.close()
+
+# %% ../../../nbs/08_data.ipynb #2fd6a060
+@patch
+def _open(self: TokenizeSources, tok, rank: int) -> dict:
+    "One `TokenizedFile` per source for this task: uint16 ids, uint32 above 65,536."
+    from datatrove.pipeline.tokens.tokenizer import TokenizedFile
+    size = 2 if tok.vocab_size <= 65536 else 4
+    return {s.name: TokenizedFile(f"{self.output_folder}/{s.name}", f"{rank:05d}.ds", token_size=size,
+                                  tokenizer_name_or_path=tok.name, save_final_metadata=True) for s in self.sources}
+
+@patch
+def _route(self: TokenizeSources, doc, taken: dict) -> list[str]:
+    "The sources a document goes to (counted in `taken`): selection matched, `max_documents` not reached."
+    targets = [s.name for s in self.sources
+               if _selected(doc, s) and (s.max_documents is None or taken[s.name] < s.max_documents)]
+    for t in targets:
+        taken[t] += 1
+    return targets
 
 # %% ../../../nbs/08_data.ipynb #d56e875a
 @patch
@@ -325,6 +387,7 @@ def row_counts(weights: dict[str, float], rows: int) -> dict[str, int]:
         counts[n] += 1
     return counts
 
+# %% ../../../nbs/08_data.ipynb #7fd60cef
 @dataclass
 class StagePlan:
     "Row r of a stage comes from source `names[source[r]]`, its `index[r]`-th row."
@@ -336,7 +399,7 @@ def stage_counts(c: Curriculum, seq_len: int) -> list[dict[str, int]]:
     "Rows per source of every stage (each budget must be a whole number of rows)."
     counts = []
     for st in c.stages:
-        tokens = round(st.tokens * UNITS[c.unit])
+        tokens = stage_tokens(c, st)
         if tokens % seq_len:
             raise ConfigError(f"stage {st.name}: budget {tokens:,} tokens is not a multiple of seq_len {seq_len}")
         counts.append(row_counts(stage_weights(st), tokens // seq_len))
@@ -382,6 +445,7 @@ class TokenLoader:
                  bod: int, eod: int, rank: int = 0, world_size: int = 1, seed: int = 0, label_mask=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        curriculum = run_stages(curriculum, seq_len)  # a stage at another length is a separate run
         self.curriculum, self.pools, self.seq_len, self.micro_batch = curriculum, pools, seq_len, micro_batch
         self.bod, self.eod, self.rank, self.world_size, self.seed = bod, eod, rank, world_size, seed
         self.label_mask, self.micro_step = label_mask, 0
@@ -390,19 +454,35 @@ class TokenLoader:
         self.source_names = list(dict.fromkeys(s.name for st in curriculum.stages for s in st.sources))
         self._plans: dict[int, StagePlan] = {}
 
-    @property
-    def tokens_seen(self) -> int:
-        "Labels consumed by all ranks together."
-        return self.micro_step * self.world_size * self.micro_batch * self.seq_len
+# %% ../../../nbs/08_data.ipynb #87a818e7
+@patch(as_prop=True)
+def tokens_seen(self: TokenLoader) -> int:
+    "Labels consumed by all ranks together."
+    return self.micro_step * self.world_size * self.micro_batch * self.seq_len
 
-    @property
-    def total_tokens(self) -> int:
-        return int(self.stage_starts[-1]) * self.seq_len
+@patch(as_prop=True)
+def total_tokens(self: TokenLoader) -> int:
+    return int(self.stage_starts[-1]) * self.seq_len
 
-    @property
-    def stage_index(self) -> int:
-        "The stage the next global row belongs to (len(stages) once the curriculum is exhausted)."
-        return int(np.searchsorted(self.stage_starts, self.tokens_seen // self.seq_len, side="right") - 1)
+@patch(as_prop=True)
+def stage_index(self: TokenLoader) -> int:
+    "The stage the next global row belongs to (len(stages) once the curriculum is exhausted)."
+    return int(np.searchsorted(self.stage_starts, self.tokens_seen // self.seq_len, side="right") - 1)
+
+# %% ../../../nbs/08_data.ipynb #3ac6a44f
+def _from_preset(cls, preset: str, micro_batch: int, rank: int = 0, world_size: int = 1, label_mask=None,
+                 token_dir: str | os.PathLike | None = None) -> TokenLoader:
+    "The preset's curriculum as a loader for this rank (tokenizes on first use)."
+    p = load_preset(preset)
+    config, tok_cfg = p.section("data", DataConfig), p.section("tokenizer", TokenizerConfig)
+    curriculum = run_stages(load_curriculum(config.curriculum), config.seq_len)
+    folder = tokenize_curriculum(curriculum, config, tok_cfg, p.name, token_dir)
+    names = {s.name for st in curriculum.stages for s in st.sources}
+    tok = load_tokenizer(tok_cfg)
+    return cls(curriculum, {n: TokenPool.open(folder / n) for n in sorted(names)}, config.seq_len, micro_batch,
+               tok.bos_id, tok.eos_id, rank, world_size, p.seed, label_mask)
+
+TokenLoader.from_preset = classmethod(_from_preset)
 
 # %% ../../../nbs/08_data.ipynb #75e535a1
 @patch
@@ -432,6 +512,7 @@ def _row(self: TokenLoader, g: int) -> tuple[np.ndarray, int]:
     at = (int(plan.index[r]) * self.seq_len + np.arange(self.seq_len + 1)) % len(pool)
     return pool[at], self.source_names.index(name)
 
+# %% ../../../nbs/08_data.ipynb #6f503938
 @patch
 def state_dict(self: TokenLoader) -> dict:
     "The loader's position as plain ints/strings (JSON-serialisable)."
@@ -439,7 +520,6 @@ def state_dict(self: TokenLoader) -> dict:
             "micro_batch": self.micro_batch, "world_size": self.world_size, "rank": self.rank,
             "micro_step": self.micro_step, "tokens_seen": self.tokens_seen}
 
-# %% ../../../nbs/08_data.ipynb #6f503938
 @patch
 def load_state_dict(self: TokenLoader, d: dict) -> None:
     "Resume at `d`'s position; the next batches equal the uninterrupted run's."
@@ -453,21 +533,6 @@ def load_state_dict(self: TokenLoader, d: dict) -> None:
         raise ValueError(f"position {rows} rows is not a whole micro-step of {self.world_size} ranks × "
                          f"{self.micro_batch} rows")
     self.micro_step = rows // per_step
-
-# %% ../../../nbs/08_data.ipynb #3ac6a44f
-def _from_preset(cls, preset: str, micro_batch: int, rank: int = 0, world_size: int = 1, label_mask=None,
-                 token_dir: str | os.PathLike | None = None) -> TokenLoader:
-    "The preset's curriculum as a loader for this rank (tokenizes on first use)."
-    p = load_preset(preset)
-    config, tok_cfg = p.section("data", DataConfig), p.section("tokenizer", TokenizerConfig)
-    curriculum = load_curriculum(config.curriculum)
-    folder = tokenize_curriculum(curriculum, config, tok_cfg, p.name, token_dir)
-    names = {s.name for st in curriculum.stages for s in st.sources}
-    tok = load_tokenizer(tok_cfg)
-    return cls(curriculum, {n: TokenPool.open(folder / n) for n in sorted(names)}, config.seq_len, micro_batch,
-               tok.bos_id, tok.eos_id, rank, world_size, p.seed, label_mask)
-
-TokenLoader.from_preset = classmethod(_from_preset)
 
 # %% ../../../nbs/08_data.ipynb #721a85f0
 def accounting_table(loader: TokenLoader) -> pd.DataFrame:
@@ -490,3 +555,13 @@ def phase_table(accounting: pd.DataFrame) -> pd.DataFrame:
     return (accounting.groupby("stage", sort=False)
             .agg(sources=("source", "size"), pool=("raw tokens", "sum"), consumed=("consumed tokens", "sum"))
             .assign(**{"consumed / pool": lambda d: d.consumed / d.pool}).reset_index())
+
+# %% ../../../nbs/08_data.ipynb #bf15c12a
+def budget_table(c: Curriculum) -> pd.DataFrame:
+    "Per stage: the published iterations and printed budget beside the exact counts, in tokens."
+    return pd.DataFrame([{
+        "stage": st.name, "seq_len (paper)": st.seq_len, "iterations (paper)": st.iterations,
+        "discarded iterations (paper)": st.discarded_iterations, "tokens/iteration (paper)": st.tokens_per_iteration,
+        f"consumed (paper, {c.unit})": st.tokens, "counted = iterations × tokens/iteration": counted_tokens(c, st),
+        "counted − paper": counted_tokens(c, st) - round(st.tokens * UNITS[c.unit]),
+        "drawn by its run (+ discarded)": stage_tokens(c, st)} for st in c.stages])

@@ -33,7 +33,7 @@ from ..models.dense import DenseConfig
 from ..models.dense import train_flops_per_token as dense_flops_per_token
 from ..models.registry import build_model, model_config, to_hf
 from ..tokenization import TokenizerConfig, load_tokenizer
-from .data import UNITS, DataConfig, TokenLoader, load_curriculum
+from .data import DataConfig, TokenLoader, load_curriculum
 from .goldfish import GoldfishConfig, label_mask
 from .optim import OptimConfig, Schedule, build_optimizer, build_schedule, clip_grad
 
@@ -109,14 +109,14 @@ def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1
 def check_data_budget(name: str, data: DataConfig, schedule: Schedule, steps: int) -> None:
     "The curriculum must hold at least one batch, and every token the planned steps consume."
     curriculum = load_curriculum(data.curriculum)
-    budget = round(sum(st.tokens for st in curriculum.stages) * UNITS[curriculum.unit])
+    budget = curriculum.budget(data.seq_len)  # exact: its stages at data.seq_len, discarded iterations included
     first, needed = schedule.batch_size_at(0) * data.seq_len, round(schedule.tokens_at(steps))
     if budget < first:
         raise ConfigError(f"{name}.data: curriculum '{curriculum.name}' has {budget:,} tokens, fewer than one "
                           f"batch ({schedule.batch_size_at(0)} × {data.seq_len} = {first:,} tokens)")
     if budget < needed:
         raise ConfigError(f"{name}: {steps} steps need {needed:,} tokens but curriculum '{curriculum.name}' has "
-                          f"{budget:,}; shorten optim.schedule or pass max_steps ≤ {int(schedule.steps_at(budget))}")
+                          f"{budget:,} at seq_len {data.seq_len:,}; shorten optim.schedule or pass max_steps ≤ {int(schedule.steps_at(budget))}")
 
 # %% ../../../nbs/11_train.ipynb #9f05446e
 def train_flops_per_token(config: DenseConfig | HybridConfig, seq_len: int) -> float:
