@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from fastcore.basics import patch
 from torch import Tensor, nn
 
 from ..core import ConfigError
@@ -52,28 +53,30 @@ class AdEMAMix(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3,
                                       eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None if closure is None else torch.enable_grad()(closure)()
-        for group in self.param_groups:
-            b1, b2, b3 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad, self.state[p]
-                if not state:
-                    state.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
-                state["step"] += 1
-                t, m1, m2, nu = state["step"], state["m1"], state["m2"], state["nu"]
-                b3_t = beta3_at(t, b1, b3, group["t_beta3"])
-                m1.mul_(b1).add_(g, alpha=1 - b1)
-                m2.mul_(b3_t).add_(g, alpha=1 - b3_t)
-                nu.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (nu / (1 - b2**t)).sqrt_().add_(eps)
-                update = (m1 / (1 - b1**t)).add_(m2, alpha=alpha_at(t, group["alpha"], group["t_alpha"])).div_(denom)
-                p.add_(update.add_(p, alpha=wd), alpha=-lr)
-        return loss
+# %% ../../../nbs/10_optim.ipynb #8f2cd0fd
+@patch
+@torch.no_grad()
+def step(self: AdEMAMix, closure=None):
+    loss = None if closure is None else torch.enable_grad()(closure)()
+    for group in self.param_groups:
+        b1, b2, b3 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g, state = p.grad, self.state[p]
+            if not state:
+                state.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+            state["step"] += 1
+            t, m1, m2, nu = state["step"], state["m1"], state["m2"], state["nu"]
+            b3_t = beta3_at(t, b1, b3, group["t_beta3"])
+            m1.mul_(b1).add_(g, alpha=1 - b1)
+            m2.mul_(b3_t).add_(g, alpha=1 - b3_t)
+            nu.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (nu / (1 - b2**t)).sqrt_().add_(eps)
+            update = (m1 / (1 - b1**t)).add_(m2, alpha=alpha_at(t, group["alpha"], group["t_alpha"])).div_(denom)
+            p.add_(update.add_(p, alpha=wd), alpha=-lr)
+    return loss
 
 # %% ../../../nbs/10_optim.ipynb #0a894db7
 def decays(name: str, param: Tensor) -> bool:
@@ -178,49 +181,57 @@ class Schedule:
             n = max(0, math.ceil((at - tok0) / (size0 * seq_len)))
             self.phases.append((step0 + n, tok0 + n * size0 * seq_len, size))
 
-    def _phase(self, step: float | None = None, tokens: float | None = None):
-        key, i = (0, step) if tokens is None else (1, tokens)
-        return next(p for p in reversed(self.phases) if p[key] <= i)
+# %% ../../../nbs/10_optim.ipynb #ba231c17
+@patch
+def _phase(self: Schedule, step: float | None = None, tokens: float | None = None):
+    key, i = (0, step) if tokens is None else (1, tokens)
+    return next(p for p in reversed(self.phases) if p[key] <= i)
 
-    def tokens_at(self, step: float) -> float:
-        "Tokens consumed before optimiser step `step` (step 0 → 0)."
-        step0, tok0, size = self._phase(step=step)
-        return tok0 + (step - step0) * size * self.seq_len
+@patch
+def tokens_at(self: Schedule, step: float) -> float:
+    "Tokens consumed before optimiser step `step` (step 0 → 0)."
+    step0, tok0, size = self._phase(step=step)
+    return tok0 + (step - step0) * size * self.seq_len
 
-    def steps_at(self, tokens: float) -> float:
-        "The (fractional) step at which `tokens` have been consumed."
-        step0, tok0, size = self._phase(tokens=tokens)
-        return step0 + (tokens - tok0) / (size * self.seq_len)
+@patch
+def steps_at(self: Schedule, tokens: float) -> float:
+    "The (fractional) step at which `tokens` have been consumed."
+    step0, tok0, size = self._phase(tokens=tokens)
+    return step0 + (tokens - tok0) / (size * self.seq_len)
 
-    def batch_size_at(self, step: int | None = None, *, tokens: float | None = None) -> int:
-        "Sequences per optimiser step at `step` (or once `tokens` are consumed)."
-        return self._phase(step, tokens)[2]
+@patch
+def batch_size_at(self: Schedule, step: int | None = None, *, tokens: float | None = None) -> int:
+    "Sequences per optimiser step at `step` (or once `tokens` are consumed)."
+    return self._phase(step, tokens)[2]
 
-    def lr_at(self, step: float | None = None, *, tokens: float | None = None) -> float:
-        "Learning rate at optimiser step `step` (or after `tokens`); the final value holds after the last segment."
-        if tokens is None:
-            x = step if self.unit == "steps" else self.tokens_at(step)
-        else:
-            x = tokens if self.unit == "tokens" else self.steps_at(tokens)
-        lr, x0 = self.start, 0.0
-        for seg in self.segments:
-            if x < x0 + seg.length:
-                return self.peak * segment_lr(lr, seg.to, seg.shape, (x - x0) / seg.length)
-            lr, x0 = seg.to, x0 + seg.length
-        return self.peak * lr
+# %% ../../../nbs/10_optim.ipynb #a17c25bd
+@patch
+def lr_at(self: Schedule, step: float | None = None, *, tokens: float | None = None) -> float:
+    "Learning rate at optimiser step `step` (or after `tokens`); the final value holds after the last segment."
+    if tokens is None:
+        x = step if self.unit == "steps" else self.tokens_at(step)
+    else:
+        x = tokens if self.unit == "tokens" else self.steps_at(tokens)
+    lr, x0 = self.start, 0.0
+    for seg in self.segments:
+        if x < x0 + seg.length:
+            return self.peak * segment_lr(lr, seg.to, seg.shape, (x - x0) / seg.length)
+        lr, x0 = seg.to, x0 + seg.length
+    return self.peak * lr
 
-    @property
-    def total_steps(self) -> int:
-        "Whole optimiser steps that fit in the schedule (a token budget that is no whole number of batches rounds down)."
-        total = sum(s.length for s in self.segments)
-        return math.floor((total if self.unit == "steps" else self.steps_at(total)) + 1e-9)
+@patch(as_prop=True)
+def total_steps(self: Schedule) -> int:
+    "Whole optimiser steps that fit in the schedule (a token budget that is no whole number of batches rounds down)."
+    total = sum(s.length for s in self.segments)
+    return math.floor((total if self.unit == "steps" else self.steps_at(total)) + 1e-9)
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        "Set every group's learning rate for `step`; returns it."
-        lr = self.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+@patch
+def apply(self: Schedule, optimizer: torch.optim.Optimizer, step: int) -> float:
+    "Set every group's learning rate for `step`; returns it."
+    lr = self.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 # %% ../../../nbs/10_optim.ipynb #80754af9
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
