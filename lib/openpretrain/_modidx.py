@@ -507,6 +507,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'openpretrain.corpus._existing': ('corpus.html#_existing', 'openpretrain/corpus.py'),
                                      'openpretrain.corpus._kind': ('corpus.html#_kind', 'openpretrain/corpus.py'),
                                      'openpretrain.corpus._language_list': ('corpus.html#_language_list', 'openpretrain/corpus.py'),
+                                     'openpretrain.corpus._local_fineweb': ('corpus.html#_local_fineweb', 'openpretrain/corpus.py'),
                                      'openpretrain.corpus._read_checked': ('corpus.html#_read_checked', 'openpretrain/corpus.py'),
                                      'openpretrain.corpus._tld_extractor': ('corpus.html#_tld_extractor', 'openpretrain/corpus.py'),
                                      'openpretrain.corpus.cld2_to_iso3': ('corpus.html#cld2_to_iso3', 'openpretrain/corpus.py'),
