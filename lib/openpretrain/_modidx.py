@@ -539,6 +539,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                    'openpretrain/evaluation/harness.py'),
                                                  'openpretrain.evaluation.harness.OpenPretrainLM.loglikelihood_rolling': ( 'evaluation.html#openpretrainlm.loglikelihood_rolling',
                                                                                                                            'openpretrain/evaluation/harness.py'),
+                                                 'openpretrain.evaluation.harness._rolling_pairs': ( 'evaluation.html#_rolling_pairs',
+                                                                                                     'openpretrain/evaluation/harness.py'),
                                                  'openpretrain.evaluation.harness.continuation_items': ( 'evaluation.html#continuation_items',
                                                                                                          'openpretrain/evaluation/harness.py'),
                                                  'openpretrain.evaluation.harness.encode_pair': ( 'evaluation.html#encode_pair',
