@@ -485,6 +485,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'openpretrain.core._PresetLoader.compose_node': ( 'core.html#_presetloader.compose_node',
                                                                                      'openpretrain/core.py'),
                                    'openpretrain.core._coerce': ('core.html#_coerce', 'openpretrain/core.py'),
+                                   'openpretrain.core._coerce_union': ('core.html#_coerce_union', 'openpretrain/core.py'),
                                    'openpretrain.core._in_range': ('core.html#_in_range', 'openpretrain/core.py'),
                                    'openpretrain.core._key_lines': ('core.html#_key_lines', 'openpretrain/core.py'),
                                    'openpretrain.core._read_yaml': ('core.html#_read_yaml', 'openpretrain/core.py'),
