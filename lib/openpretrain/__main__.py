@@ -42,6 +42,7 @@ def _compliance(args) -> int:
     run_compliance(preset=args.preset, tasks=args.tasks, workers=args.workers, output_dir=out)
     return 0
 
+# %% ../../nbs/91_cli.ipynb #ffdcaba7
 def _delegate(module: str):
     "A command whose flags its own module parses (`openpretrain.training.trainer.main`, …), imported only when run."
     def run(args) -> int:
@@ -52,7 +53,6 @@ def _delegate(module: str):
 def _presets(args) -> int:
     print("\n".join(list_presets()))
     return 0
-
 
 # %% ../../nbs/91_cli.ipynb #616254d5
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the presets").set_defaults(run=_presets)
     return p
 
+# %% ../../nbs/91_cli.ipynb #153a51dc
 def main(argv: list[str] | None = None) -> int:
     "Parse `argv` and run the command; configuration errors print one line and return 2."
     p = parser()

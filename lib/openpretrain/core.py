@@ -73,16 +73,7 @@ def _coerce(tp, value, where: str):
     "Check `value` against annotation `tp`, converting nested dataclasses and ints given for floats."
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0] if errors else ConfigError(f"{where}: None is not allowed", where)
+        return _coerce_union(typing.get_args(tp), value, where)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if origin in (list, tuple):
@@ -102,6 +93,19 @@ def _coerce(tp, value, where: str):
     if tp is float and math.isnan(value):
         raise ConfigError(f"{where}: NaN is not a valid value", where)
     return value
+
+# %% ../../nbs/00_core.ipynb #4a73a6fe
+def _coerce_union(args: tuple, value, where: str):
+    "The value as the first member of the union `args` that accepts it; None only where the union allows it."
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _coerce(arg, value, where)
+        except ConfigError as e:
+            errors.append(e)
+    raise errors[0] if errors else ConfigError(f"{where}: None is not allowed", where)
 
 # %% ../../nbs/00_core.ipynb #7c1c47d9
 def from_dict(cls, data: dict | None, where: str = ""):

@@ -80,29 +80,6 @@ CORPUS_FILES = {  # output name → relative path under data/
 }
 
 # %% ../../nbs/01_corpus.ipynb #d1ad31fb
-def _existing(root, rel: str) -> Path:
-    path = Path(root or data_dir()) / rel
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: check out data/ or rebuild it with `make data` "
-                                f"(needs apt-get and npm)")
-    return path
-
-def _read_checked(path: Path, schema: pa.Schema) -> pa.Table:
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ValueError(f"{path} is not a readable Parquet file: {e}") from e
-    _check_columns(table.column_names, schema.names, path)
-    _check_types(table.schema, schema, path)
-    return table
-
-def _language_list(languages) -> list[str]:
-    "Sorted distinct language codes; one code may be given as a plain string (`\"deu\"`)."
-    langs = [languages] if isinstance(languages, str) else list(languages)
-    if bad := [x for x in langs if not isinstance(x, str)]:
-        raise TypeError(f"languages are ISO 639-3 codes (str), got {bad[:3]!r}")
-    return sorted(set(langs))
-
 def _kind(t: pa.DataType) -> str:
     for name, test in (("string", pa.types.is_string), ("string", pa.types.is_large_string), ("integer", pa.types.is_integer),
                        ("float", pa.types.is_floating), ("binary", pa.types.is_binary), ("binary", pa.types.is_large_binary)):
@@ -119,6 +96,31 @@ def _check_types(have: pa.Schema, want: pa.Schema, where) -> None:
 def _check_columns(have, need, where) -> None:
     if missing := [c for c in need if c not in set(have)]:
         raise ValueError(f"{where}: missing column(s) {', '.join(missing)}; has {', '.join(have)}")
+
+# %% ../../nbs/01_corpus.ipynb #f8ff166e
+def _existing(root, rel: str) -> Path:
+    path = Path(root or data_dir()) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: check out data/ or rebuild it with `make data` "
+                                f"(needs apt-get and npm)")
+    return path
+
+def _read_checked(path: Path, schema: pa.Schema) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path} is not a readable Parquet file: {e}") from e
+    _check_columns(table.column_names, schema.names, path)
+    _check_types(table.schema, schema, path)
+    return table
+
+# %% ../../nbs/01_corpus.ipynb #f5ee0c44
+def _language_list(languages) -> list[str]:
+    "Sorted distinct language codes; one code may be given as a plain string (`\"deu\"`)."
+    langs = [languages] if isinstance(languages, str) else list(languages)
+    if bad := [x for x in langs if not isinstance(x, str)]:
+        raise TypeError(f"languages are ISO 639-3 codes (str), got {bad[:3]!r}")
+    return sorted(set(langs))
 
 # %% ../../nbs/01_corpus.ipynb #80a9d948
 def corpus_files(split: str = "train", root: str | os.PathLike | None = None) -> list[Path]:
@@ -155,6 +157,22 @@ def load_robots_snapshot(root: str | os.PathLike | None = None):
     df["http_status"] = df["http_status"].astype("Int64")
     return df
 
+# %% ../../nbs/01_corpus.ipynb #fa16f522
+def _local_fineweb(path: Path, split: str, langs: list[str] | None, streaming: bool, cache_dir: str | None):
+    "FineWeb rows from a local Parquet file or folder (searched recursively), checked, `langs` kept if given."
+    import datasets
+    files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .parquet files")
+    ds = datasets.load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split,
+                               streaming=streaming, cache_dir=cache_dir)
+    _check_columns(list(ds.features), FINEWEB_COLUMNS, path)
+    _check_types(ds.features.arrow_schema, DOC_SCHEMA, path)
+    if langs is not None:
+        keep = set(langs)
+        ds = ds.filter(lambda r: r["language"] in keep or f"{r['language']}_{r.get('language_script')}" in keep)
+    return ds
+
 # %% ../../nbs/01_corpus.ipynb #ff02a392
 FINEWEB_HUB = ("HuggingFaceFW/fineweb", "HuggingFaceFW/fineweb-2", "HuggingFaceFW/fineweb-edu")
 
@@ -168,17 +186,7 @@ def load_fineweb(name_or_path: str | os.PathLike, split: str = "train", language
     langs = _language_list(languages) if languages is not None else None
     path = Path(name_or_path)
     if path.exists():
-        files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no .parquet files")
-        ds = datasets.load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split,
-                                   streaming=streaming, cache_dir=cache_dir)
-        _check_columns(list(ds.features), FINEWEB_COLUMNS, path)
-        _check_types(ds.features.arrow_schema, DOC_SCHEMA, path)
-        if langs is not None:
-            keep = set(langs)
-            ds = ds.filter(lambda r: r["language"] in keep or f"{r['language']}_{r.get('language_script')}" in keep)
-        return ds
+        return _local_fineweb(path, split, langs, streaming, cache_dir)
     if str(name_or_path) not in FINEWEB_HUB:
         raise FileNotFoundError(f"'{name_or_path}' is neither a local Parquet file/folder nor one of "
                                 f"{', '.join(FINEWEB_HUB)}")

@@ -70,6 +70,7 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
     except ValueError as e:
         raise ConfigError(f"{path} [report]: {e}") from None
 
+# %% ../../nbs/90_report.ipynb #45dbc4b9
 def check_settings(s: ReportSettings) -> ReportSettings:
     "Fail early on an unknown preset or chapter, a bad device or a timeout that is not positive."
     if s.preset not in list_presets():
@@ -169,6 +170,23 @@ def write_index(s: ReportSettings, times: dict[str, float] | None = None, state:
     return out / "index.html"
 
 # %% ../../nbs/90_report.ipynb #6f0fe206
+def _artifact_html(a: dict, out: Path) -> str:
+    esc, path = html.escape, a["path"]
+    if path.endswith(".png"):
+        return f"<figure><img src='{esc(path)}' alt='{esc(path)}'><figcaption><a href='{esc(path)}'>{esc(path)}</a>" \
+               f" · <a href='{esc(path[:-4])}.svg'>svg</a></figcaption></figure>"
+    if path.endswith(".csv"):
+        import pandas as pd
+        table = pd.read_csv(out / path).to_html(index=False, max_rows=40, float_format=lambda v: f"{v:.4g}")
+        return f"<h3>{esc(Path(path).stem)}</h3>{table}<p><a href='{esc(path)}'>csv</a> · " \
+               f"<a href='{esc(path[:-4])}.md'>markdown</a></p>"
+    if path.endswith(".parquet"):
+        return f"<p>data: <a href='{esc(path)}'>{esc(path)}</a> ({a['bytes'] / 1e6:.1f} MB)</p>"
+    if path.endswith(".ipynb"):
+        return f"<p>executed notebook: <a href='{esc(path)}'>{esc(path)}</a></p>"
+    return ""
+
+# %% ../../nbs/90_report.ipynb #e324c11e
 def _index_html(meta: dict, arts: list[dict], out: Path) -> str:
     esc = html.escape
     parts = [f"<!doctype html><meta charset='utf-8'><title>openpretrain · {esc(meta['preset'])}</title>",
@@ -189,22 +207,6 @@ def _index_html(meta: dict, arts: list[dict], out: Path) -> str:
         for a in mine:
             parts.append(_artifact_html(a, out))
     return "\n".join(parts) + "\n"
-
-def _artifact_html(a: dict, out: Path) -> str:
-    esc, path = html.escape, a["path"]
-    if path.endswith(".png"):
-        return f"<figure><img src='{esc(path)}' alt='{esc(path)}'><figcaption><a href='{esc(path)}'>{esc(path)}</a>" \
-               f" · <a href='{esc(path[:-4])}.svg'>svg</a></figcaption></figure>"
-    if path.endswith(".csv"):
-        import pandas as pd
-        table = pd.read_csv(out / path).to_html(index=False, max_rows=40, float_format=lambda v: f"{v:.4g}")
-        return f"<h3>{esc(Path(path).stem)}</h3>{table}<p><a href='{esc(path)}'>csv</a> · " \
-               f"<a href='{esc(path[:-4])}.md'>markdown</a></p>"
-    if path.endswith(".parquet"):
-        return f"<p>data: <a href='{esc(path)}'>{esc(path)}</a> ({a['bytes'] / 1e6:.1f} MB)</p>"
-    if path.endswith(".ipynb"):
-        return f"<p>executed notebook: <a href='{esc(path)}'>{esc(path)}</a></p>"
-    return ""
 
 # %% ../../nbs/90_report.ipynb #298b955b
 CHECKED_KINDS = ("figures", "tables")  # what must be identical across two runs of one commit

@@ -250,6 +250,7 @@ def tokenizer_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     "Where third-party vocabularies are cached: `cache_dir`, `$OPENPRETRAIN_TOKENIZERS`, or <root>/.cache/tokenizers."
     return Path(cache_dir or os.environ.get("OPENPRETRAIN_TOKENIZERS") or project_root() / ".cache" / "tokenizers")
 
+# %% ../../nbs/05_tokenizers.ipynb #f55fa3cb
 def fetch_tokenizers(cache_dir: str | os.PathLike | None = None, names: Sequence[str] = tuple(GGUF_VOCABS),
                      sdist: str | os.PathLike | None = None, sha256: str = LLAMA_CPP_SDIST_SHA256) -> dict[str, Path]:
     "Download (or reuse `sdist`), check its `sha256`, convert and verify the vocabularies; returns name -> tokenizer.json."
@@ -352,6 +353,7 @@ def available_tokenizers(cache_dir: str | os.PathLike | None = None) -> list[str
     ours = sorted(p.parent.name for p in our_tokenizers_dir().glob("*/tokenizer.json"))
     return [*BUNDLED, *(n for n in GGUF_VOCABS if (cache / n / "tokenizer.json").is_file()), *ours]
 
+# %% ../../nbs/05_tokenizers.ipynb #a968586a
 def load_tokenizer(spec: str | os.PathLike | TokenizerConfig | Preset,
                    cache_dir: str | os.PathLike | None = None) -> Tokenizer:
     "A tokenizer by registered name, tokenizer.json path, `TokenizerConfig` or preset (vocab_size checked for both)."
@@ -516,6 +518,7 @@ EXTRA_UDHR = {  # rows beyond FLORES+: Switzerland's fourth national language an
     "gsw_Latn (Alsatian)": "gsw1",
 }
 
+# %% ../../nbs/05_tokenizers.ipynb #5e99673f
 def aligned_corpus(udhr: pd.DataFrame, labels: dict[str, str]) -> pd.DataFrame:
     "UDHR rows of the versions in `labels` (label -> code), keeping only articles present in all of them."
     missing = sorted(set(labels.values()) - set(udhr.code))

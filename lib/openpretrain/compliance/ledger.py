@@ -52,20 +52,21 @@ class Ledger:
         return cls(pd.DataFrame([_row(d, source_key, language_key, tokens_key, count_tokens) for d in docs],
                                 columns=None if docs else BASE_COLUMNS))
 
-    @classmethod
-    def from_folders(cls, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> Ledger:
-        "Build from datatrove writer outputs: the kept folder and every exclusion folder (`fmt`: jsonl | parquet)."
-        from datatrove.pipeline.readers import JsonlReader, ParquetReader
-        if fmt not in ("jsonl", "parquet"):
-            raise ValueError(f"fmt must be jsonl or parquet, got {fmt!r}")
-        reader = (lambda f: JsonlReader(f, add_file_path=False)) if fmt == "jsonl" else ParquetReader
-        docs = [d for f in folders if Path(f).is_dir() for d in reader(str(f))()]
-        return cls.from_documents(docs, **kwargs)
+# %% ../../../nbs/01a_ledger.ipynb #606be734
+@patch(cls_method=True)
+def from_folders(cls: Ledger, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> Ledger:
+    "Build from datatrove writer outputs: the kept folder and every exclusion folder (`fmt`: jsonl | parquet)."
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"fmt must be jsonl or parquet, got {fmt!r}")
+    reader = (lambda f: JsonlReader(f, add_file_path=False)) if fmt == "jsonl" else ParquetReader
+    docs = [d for f in folders if Path(f).is_dir() for d in reader(str(f))()]
+    return cls.from_documents(docs, **kwargs)
 
-    @property
-    def steps(self) -> list[str]:
-        "The compliance steps that left decisions in this ledger, in column order."
-        return [c.removesuffix("_decision") for c in self.frame.columns if c.endswith("_decision")]
+@patch(as_prop=True)
+def steps(self: Ledger) -> list[str]:
+    "The compliance steps that left decisions in this ledger, in column order."
+    return [c.removesuffix("_decision") for c in self.frame.columns if c.endswith("_decision")]
 
 # %% ../../../nbs/01a_ledger.ipynb #c7382688
 @patch

@@ -25,7 +25,7 @@ from ..core import ConfigError, data_dir
 
 # %% auto #0
 __all__ = ['MARKERS', 'KINDS', 'MODES', 'IBAN_LENGTHS', 'APERTUS_PATTERNS', 'BBAN_FORMATS', 'PIIConfig', 'Span', 'iban_checksum',
-           'is_valid_iban', 'find_pii', 'anonymize', 'render', 'PIIAnonymizer', 'synth_iban', 'group_iban',
+           'is_valid_iban', 'render', 'find_pii', 'anonymize', 'PIIAnonymizer', 'synth_iban', 'group_iban',
            'change_one_digit', 'build_testset', 'testset_path', 'write_testset', 'load_testset', 'gold_spans',
            'precision_recall', 'in_context']
 
@@ -93,6 +93,21 @@ def _standalone(text: str, start: int, end: int, before: frozenset) -> bool:
             return False
     return True
 
+def _keeps_ip(address: str, public_only: bool) -> bool:
+    "True when the address is to be replaced: any valid one, or only public ones (global unicast)."
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return not public_only or (ip.is_global and not ip.is_multicast)
+
+# %% ../../../nbs/03_pii.ipynb #9807c28d
+def _outline_number(text: str, start: int, end: int) -> bool:
+    "`6.2.4.1. Title` alone at the start of a line is a section number, not an address."
+    line_start = text.rfind("\n", 0, start) + 1
+    return (not text[line_start:start].strip() and text[end:end + 1] == "."
+            and (end + 1 == len(text) or text[end + 1].isspace()))
+
 def _ipv4_spans(text: str, public_only: bool) -> Iterator[Span]:
     for m in _IPV4_CANDIDATE.finditer(text):
         start, end = m.span()
@@ -102,20 +117,6 @@ def _ipv4_spans(text: str, public_only: bool) -> Iterator[Span]:
         if (_standalone(text, start, end, _BEFORE_IPV4) and not _outline_number(text, start, end)
                 and _keeps_ip(m.group(), public_only)):
             yield Span(start, end, "ip")
-
-def _outline_number(text: str, start: int, end: int) -> bool:
-    "`6.2.4.1. Title` alone at the start of a line is a section number, not an address."
-    line_start = text.rfind("\n", 0, start) + 1
-    return (not text[line_start:start].strip() and text[end:end + 1] == "."
-            and (end + 1 == len(text) or text[end + 1].isspace()))
-
-def _keeps_ip(address: str, public_only: bool) -> bool:
-    "True when the address is to be replaced: any valid one, or only public ones (global unicast)."
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return not public_only or (ip.is_global and not ip.is_multicast)
 
 # %% ../../../nbs/03_pii.ipynb #b5ff38e2
 _IPV6_CANDIDATE = re.compile(
@@ -136,6 +137,7 @@ def _ipv6_candidates(text: str) -> Iterator[re.Match]:
         if m:
             yield m
 
+# %% ../../../nbs/03_pii.ipynb #58e46583
 def _ipv6_spans(text: str, public_only: bool) -> Iterator[Span]:
     for m in _ipv6_candidates(text):
         start, end = m.span()
@@ -221,6 +223,27 @@ def _ours(text: str, kinds: tuple[str, ...], public_only: bool) -> list[Span]:
     return kept
 
 # %% ../../../nbs/03_pii.ipynb #e5c8433e
+def _checked(text, mode: str, kinds: Iterable[str]) -> tuple[str, ...]:
+    if not isinstance(text, str):
+        raise TypeError(f"PII anonymisation needs a str, got {type(text).__name__}"
+                        + (" (decode bytes first)" if isinstance(text, (bytes, bytearray)) else ""))
+    kinds = tuple(kinds)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if unknown := [k for k in kinds if k not in MARKERS]:
+        raise ValueError(f"unknown PII kind(s) {unknown}; kinds: {', '.join(KINDS)}")
+    return kinds
+
+def render(text: str, spans: list[Span]) -> str:
+    "`text` with each (sorted, disjoint) span replaced by its kind's marker."
+    out, pos = [], 0
+    for s in spans:
+        out += (text[pos:s.start], MARKERS[s.kind])
+        pos = s.end
+    out.append(text[pos:])
+    return "".join(out)
+
+# %% ../../../nbs/03_pii.ipynb #2b6753fd
 def find_pii(text: str, *, mode: str = "ours", kinds: Iterable[str] = KINDS,
              public_ips_only: bool = True) -> list[Span]:
     "Spans of `text` that `anonymize` replaces, in order (original coordinates)."
@@ -239,27 +262,6 @@ def anonymize(text: str, *, mode: str = "ours", kinds: Iterable[str] = KINDS,
         for s in spans:
             counts[s.kind] += 1
     return render(text, spans), counts
-
-def render(text: str, spans: list[Span]) -> str:
-    "`text` with each (sorted, disjoint) span replaced by its kind's marker."
-    out, pos = [], 0
-    for s in spans:
-        out += (text[pos:s.start], MARKERS[s.kind])
-        pos = s.end
-    out.append(text[pos:])
-    return "".join(out)
-
-def _checked(text, mode: str, kinds: Iterable[str]) -> tuple[str, ...]:
-    if not isinstance(text, str):
-        raise TypeError(f"PII anonymisation needs a str, got {type(text).__name__}"
-                        + (" (decode bytes first)" if isinstance(text, (bytes, bytearray)) else ""))
-    kinds = tuple(kinds)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if unknown := [k for k in kinds if k not in MARKERS]:
-        raise ValueError(f"unknown PII kind(s) {unknown}; kinds: {', '.join(KINDS)}")
-    return kinds
-
 
 # %% ../../../nbs/03_pii.ipynb #883adf49
 APERTUS_PATTERNS = {  # swiss-ai/pretrain-data formatters/pii_formatter.py; email and IPv4 are datatrove's

@@ -163,6 +163,7 @@ def _strict_parse(robots_txt: str) -> _StrictFile:
 
 _STRICT = _ParseCache(PARSE_CACHE_CHARS, _strict_parse)
 
+# %% ../../../nbs/02_robots.ipynb #fd92c63c
 def _pattern(rule: str) -> re.Pattern:
     "A rule as a regex: `*` any run of characters, a final `$` the end of path and query."
     body, anchored = (rule[:-1], True) if rule.endswith("$") else (rule, False)
@@ -375,21 +376,6 @@ def root_blocked_agents(self: RobotsOracle, host: str) -> tuple[str, ...]:
         return ()
     return tuple(a for a in self.config.checked_agents if not is_allowed(f.text, f"http://{host}/", a, self.config.matching))
 
-
-@patch
-def _decide_domain(self: RobotsOracle, host: str) -> RobotsDecision:
-    if self._blocked is None:
-        self._blocked = self._blocked_units()
-    unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
-    if unit in self._blocked:
-        agents, rule = self._blocked[unit]
-        return RobotsDecision(False, "blocked-domain", agents, rule, host)
-    f = self.file(host)
-    if f is None:
-        return RobotsDecision(True, "no-robots", host=host)
-    return self._missing(f, host) if f.status != "ok" else RobotsDecision(True, "allowed", host=host)
-
-
 @patch
 def _blocked_units(self: RobotsOracle) -> dict[str, tuple[tuple[str, ...], str]]:
     "Hosts (or registrable domains) whose root some checked agent may not fetch → (agents, rule)."
@@ -402,6 +388,20 @@ def _blocked_units(self: RobotsOracle) -> dict[str, tuple[tuple[str, ...], str]]
         prev, rule = blocked.get(unit, ((), f"root:{host}"))
         blocked[unit] = (tuple(dict.fromkeys(prev + agents)), rule)
     return blocked
+
+# %% ../../../nbs/02_robots.ipynb #9d157097
+@patch
+def _decide_domain(self: RobotsOracle, host: str) -> RobotsDecision:
+    if self._blocked is None:
+        self._blocked = self._blocked_units()
+    unit = registrable_domain(host) if self.config.domain_scope == "registrable" else host
+    if unit in self._blocked:
+        agents, rule = self._blocked[unit]
+        return RobotsDecision(False, "blocked-domain", agents, rule, host)
+    f = self.file(host)
+    if f is None:
+        return RobotsDecision(True, "no-robots", host=host)
+    return self._missing(f, host) if f.status != "ok" else RobotsDecision(True, "allowed", host=host)
 
 # %% ../../../nbs/02_robots.ipynb #5cdffe2c
 class RobotsFilter(BaseFilter):

@@ -401,25 +401,29 @@ class ToxicityScorer:
             scores[k] = self.heads[used[k]].p_toxic(emb).max()  # max over the document's chunks
         return scores, used
 
-    def calibrate(self, texts: Sequence[str], langs: Sequence[str], ids: Sequence[str]) -> dict[str, float]:
-        "Score a sample and fit the thresholds on it (see `fit_thresholds`)."
-        return self.fit_thresholds(self.score(texts, langs, ids)[0], langs)
+# %% ../../../nbs/04_toxicity.ipynb #44232bf4
+@patch
+def calibrate(self: ToxicityScorer, texts: Sequence[str], langs: Sequence[str], ids: Sequence[str]) -> dict[str, float]:
+    "Score a sample and fit the thresholds on it (see `fit_thresholds`)."
+    return self.fit_thresholds(self.score(texts, langs, ids)[0], langs)
 
-    def fit_thresholds(self, scores: np.ndarray, langs: Sequence[str]) -> dict[str, float]:
-        "A threshold per language with ≥ `min_language_docs` documents, '*' over all of them; stored and returned."
-        langs = np.asarray(langs)
-        names, counts = np.unique(langs, return_counts=True)
-        self.thresholds = {str(lang): fit_threshold(scores[langs == lang], self.cfg.remove_share)
-                           for lang, n in zip(names, counts) if n >= self.cfg.min_language_docs}
-        self.thresholds["*"] = fit_threshold(scores, self.cfg.remove_share)  # rare languages: 5% of the pool
-        return self.thresholds
+@patch
+def fit_thresholds(self: ToxicityScorer, scores: np.ndarray, langs: Sequence[str]) -> dict[str, float]:
+    "A threshold per language with ≥ `min_language_docs` documents, '*' over all of them; stored and returned."
+    langs = np.asarray(langs)
+    names, counts = np.unique(langs, return_counts=True)
+    self.thresholds = {str(lang): fit_threshold(scores[langs == lang], self.cfg.remove_share)
+                       for lang, n in zip(names, counts) if n >= self.cfg.min_language_docs}
+    self.thresholds["*"] = fit_threshold(scores, self.cfg.remove_share)  # rare languages: 5% of the pool
+    return self.thresholds
 
-    def remove(self, scores: np.ndarray, langs: Sequence[str]) -> np.ndarray:
-        "True where a document is above its language's threshold ('*' for a language the calibration sample missed)."
-        if "*" not in self.thresholds:  # fail closed: an uncalibrated scorer decides nothing
-            raise ValueError("no all-languages threshold '*': fit the thresholds before removing documents")
-        cut = self.thresholds["*"]
-        return np.array([s > self.thresholds.get(lang, cut) for s, lang in zip(scores, langs)], dtype=bool)
+@patch
+def remove(self: ToxicityScorer, scores: np.ndarray, langs: Sequence[str]) -> np.ndarray:
+    "True where a document is above its language's threshold ('*' for a language the calibration sample missed)."
+    if "*" not in self.thresholds:  # fail closed: an uncalibrated scorer decides nothing
+        raise ValueError("no all-languages threshold '*': fit the thresholds before removing documents")
+    cut = self.thresholds["*"]
+    return np.array([s > self.thresholds.get(lang, cut) for s, lang in zip(scores, langs)], dtype=bool)
 
 # %% ../../../nbs/04_toxicity.ipynb #1f81a1da
 @patch
@@ -461,6 +465,7 @@ def doc_language(doc: Document) -> str:
     code = str(doc.metadata.get("language") or "un").split("_")[0]
     return LANGUAGE_CODES.get(code, code)
 
+# %% ../../../nbs/04_toxicity.ipynb #699caf2b
 class ToxicityFilter(BaseFilter):
     "Remove each language's top `remove_share` by toxicity score (Apertus §3.1.3); reason 'toxicity'."
     name = "☣ Toxicity"

@@ -109,6 +109,20 @@ def generate_texts(model: nn.Module, tokenizer, requests: list[tuple[str, dict]]
                 out[i] = text[:min(cuts)] if cuts else text
     return out
 
+# %% ../../../nbs/13_evaluation.ipynb #df0f3a76
+def _rolling_pairs(tokenizer, texts: list[str], prefix_id: int,
+                   max_length: int) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    "lm-eval's disjoint rolling windows of every text as (context, continuation) pairs, and the text of each pair."
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    pairs, owner = [], []
+    for i, text in enumerate(texts):
+        windows = get_rolling_token_windows(token_list=tokenizer.encode(text), prefix_token=prefix_id,
+                                            max_seq_len=max_length, context_len=1)
+        for ctx, cont in map(make_disjoint_window, windows):
+            pairs.append((list(ctx), list(cont)))
+            owner.append(i)
+    return pairs, owner
+
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
 @register_model("openpretrain")
 class OpenPretrainLM(LM):
@@ -133,14 +147,7 @@ class OpenPretrainLM(LM):
         return score_tokens(self.model, pairs, self.max_length, self.batch_size)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-        pairs, owner = [], []
-        for i, r in enumerate(requests):
-            windows = get_rolling_token_windows(token_list=self.tokenizer.encode(r.args[0]), prefix_token=self.prefix_id,
-                                                max_seq_len=self.max_length, context_len=1)
-            for ctx, cont in map(make_disjoint_window, windows):
-                pairs.append((list(ctx), list(cont)))
-                owner.append(i)
+        pairs, owner = _rolling_pairs(self.tokenizer, [r.args[0] for r in requests], self.prefix_id, self.max_length)
         totals = [0.0] * len(requests)
         for i, (lp, _) in zip(owner, score_tokens(self.model, pairs, self.max_length, self.batch_size)):
             totals[i] += lp

@@ -80,6 +80,7 @@ def check_dense_config(c: DenseConfig) -> None:
         if c.rope_scaling["high_freq_factor"] <= c.rope_scaling["low_freq_factor"]:
             raise ConfigError("model.rope_scaling: high_freq_factor must exceed low_freq_factor")
 
+# %% ../../../nbs/06_dense.ipynb #8b6bc0e5
 @patch(as_prop=True)
 def kv_layers(self: DenseConfig) -> int:
     "Layers that keep a KV cache (all of them in a dense model)."

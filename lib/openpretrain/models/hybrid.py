@@ -21,9 +21,9 @@ from .moe import MoE, ReLU2MLP
 SOOFI_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # Soofi S = Nemotron 3 Nano, 52 layers
 
 # %% auto #0
-__all__ = ['SOOFI_PATTERN', 'HF_FIELDS', 'HF_FIXED', 'HybridConfig', 'check_hybrid_config', 'HybridBlock', 'HybridCache',
-           'HybridLM', 'build', 'init_weights', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf', 'mamba_state_bytes',
-           'params_by_kind']
+__all__ = ['SOOFI_PATTERN', 'HF_FIELDS', 'HF_FIXED', 'HybridConfig', 'check_hybrid_config', 'HybridBlock', 'HybridLM',
+           'HybridCache', 'build', 'init_weights', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
+           'mamba_state_bytes', 'params_by_kind']
 
 # %% ../../../nbs/07_hybrid.ipynb #50aab1ce
 @dataclass(kw_only=True)
@@ -115,18 +115,6 @@ class HybridBlock(nn.Module):
         return x + h
 
 # %% ../../../nbs/07_hybrid.ipynb #1ffbeab8
-class HybridCache:
-    "Decoding state: a KV cache for the attention layers, conv + SSM state for the Mamba layers."
-    def __init__(self, model: HybridLM, batch: int, max_len: int, device=None, dtype=torch.float32):
-        c = model.config
-        self.kv = KVCache(c.kv_layers, batch, max_len, c.n_kv_heads, c.head_dim, device, dtype)
-        self.states = [layer.mixer.new_state(batch, device, dtype) if layer.kind == "M" else
-                       self.kv if layer.kind == "*" else None for layer in model.layers]
-
-    @property
-    def pos(self) -> int: return self.kv.pos                 # tokens consumed so far
-    def advance(self, n: int) -> None: self.kv.advance(n)
-
 class HybridLM(nn.Module):
     "Embedding → pattern of pre-norm residual blocks → final RMSNorm → untied LM head."
     def __init__(self, config: HybridConfig):
@@ -153,6 +141,18 @@ class HybridLM(nn.Module):
             cache.advance(T)
         return self.lm_head(self.norm_f(x))
 
+# %% ../../../nbs/07_hybrid.ipynb #65cd2fcf
+class HybridCache:
+    "Decoding state: a KV cache for the attention layers, conv + SSM state for the Mamba layers."
+    def __init__(self, model: HybridLM, batch: int, max_len: int, device=None, dtype=torch.float32):
+        c = model.config
+        self.kv = KVCache(c.kv_layers, batch, max_len, c.n_kv_heads, c.head_dim, device, dtype)
+        self.states = [layer.mixer.new_state(batch, device, dtype) if layer.kind == "M" else
+                       self.kv if layer.kind == "*" else None for layer in model.layers]
+
+    @property
+    def pos(self) -> int: return self.kv.pos                 # tokens consumed so far
+    def advance(self, n: int) -> None: self.kv.advance(n)
 
 # %% ../../../nbs/07_hybrid.ipynb #7f086eb4
 @patch
