@@ -297,3 +297,16 @@ def test_timing_artifacts_are_exempt_from_the_bit_for_bit_check():
         return {"artifacts": [dict(path=f"tables/11_train-{n}.csv", kind="tables", chapter="11_train", sha256=sha)
                               for n in ("timings", "run")]}
     assert compare_manifests(manifest("a"), manifest("b")) == ["differs: tables/11_train-run.csv"]
+
+
+def test_chapters_run_with_the_report_root_as_their_outputs_root(tmp_path, monkeypatch):
+    import os
+
+    import papermill as pm
+
+    from openpretrain.report import run_chapter
+    seen = {}
+    monkeypatch.setattr(pm, "execute_notebook", lambda *a, **k: seen.update(root=os.environ.get("OPENPRETRAIN_OUTPUTS")))
+    monkeypatch.delenv("OPENPRETRAIN_OUTPUTS", raising=False)
+    run_chapter("00_core", ReportSettings(outputs=str(tmp_path), device="cpu"))
+    assert seen["root"] == str(tmp_path) and "OPENPRETRAIN_OUTPUTS" not in os.environ

@@ -242,3 +242,14 @@ def test_compliance_kept_jsonl_is_tokenized_by_source(tmp_path, tok):
     assert out.is_relative_to(tmp_path / "tokens")
     pool = TokenPool.open(out / "rm")
     assert [tok.tok.decode(d[1:-1].tolist()) for d in pool.documents()] == [d.text for d in docs[:5]]
+
+
+def test_auto_input_reads_the_compliance_output_of_this_runs_root_never_the_checkouts(tmp_path, monkeypatch):
+    from openpretrain.training.data import DataConfig, input_documents
+    kept = tmp_path / "run" / "tiny" / "compliance" / "kept"
+    kept.mkdir(parents=True)
+    (kept / "00000.jsonl.gz").write_bytes(b"")
+    monkeypatch.setenv("OPENPRETRAIN_OUTPUTS", str(tmp_path / "run"))
+    assert input_documents(DataConfig(), "tiny") == (str(kept), "jsonl")
+    monkeypatch.setenv("OPENPRETRAIN_OUTPUTS", str(tmp_path / "fresh"))   # a root whose 04a has not run
+    assert input_documents(DataConfig(), "tiny")[1] == "parquet"          # the embedded corpus

@@ -9,7 +9,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from .core import ConfigError, list_presets, load_preset, project_root
+from .core import ConfigError, list_presets, load_preset, outputs_root
 from .report import ChapterFailed, check_report, read_settings, run_report
 
 # %% auto #0
@@ -37,7 +37,7 @@ def _compliance(args) -> int:
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     name = load_preset(args.preset).name  # a path to a preset file runs under the preset's own name
-    out = args.output_dir or project_root() / "outputs" / name / "compliance"
+    out = args.output_dir or outputs_root() / name / "compliance"
     from openpretrain.compliance.pipeline import run_compliance  # heavy: only once flags and preset are good
     run_compliance(preset=args.preset, tasks=args.tasks, workers=args.workers, output_dir=out)
     return 0

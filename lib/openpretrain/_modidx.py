@@ -496,6 +496,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'openpretrain.core.from_dict': ('core.html#from_dict', 'openpretrain/core.py'),
                                    'openpretrain.core.list_presets': ('core.html#list_presets', 'openpretrain/core.py'),
                                    'openpretrain.core.load_preset': ('core.html#load_preset', 'openpretrain/core.py'),
+                                   'openpretrain.core.outputs_root': ('core.html#outputs_root', 'openpretrain/core.py'),
                                    'openpretrain.core.paper_vs_ours': ('core.html#paper_vs_ours', 'openpretrain/core.py'),
                                    'openpretrain.core.project_root': ('core.html#project_root', 'openpretrain/core.py'),
                                    'openpretrain.core.resolve_device': ('core.html#resolve_device', 'openpretrain/core.py'),

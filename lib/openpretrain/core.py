@@ -25,7 +25,7 @@ from fastcore.basics import patch_to
 # %% auto #0
 __all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'project_root', 'data_dir',
            'configs_dir', 'sha256_file', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'Preset', 'list_presets',
-           'load_preset', 'seed_everything', 'resolve_device', 'Artifacts', 'paper_vs_ours']
+           'load_preset', 'seed_everything', 'resolve_device', 'outputs_root', 'Artifacts', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -286,6 +286,11 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 # %% ../../nbs/00_core.ipynb #c5cf0703
+def outputs_root(root: str | os.PathLike = "outputs") -> Path:
+    "The report root: $OPENPRETRAIN_OUTPUTS when set (the report runner and `make test` set it), else `root` in the checkout."
+    root = Path(os.environ.get("OPENPRETRAIN_OUTPUTS") or root)
+    return root if root.is_absolute() else project_root() / root
+
 ARTIFACT_NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # `paper-vs-ours`, `fertility-per-word`
 CHAPTER_NAME = re.compile(r"[0-9]{2}[a-z]?_[a-z0-9_]+")  # a notebook stem: `05_tokenizers`, `04a_pipeline`
 
@@ -303,8 +308,7 @@ class Artifacts:
     @property
     def dir(self) -> Path:
         "`<root>/<preset>`; $OPENPRETRAIN_OUTPUTS replaces the root (`make test` points it at a scratch folder)."
-        root = Path(os.environ.get("OPENPRETRAIN_OUTPUTS") or self.root)
-        return (root if root.is_absolute() else project_root() / root) / self.preset
+        return outputs_root(self.root) / self.preset
 
     def path(self, kind: str, name: str, suffix: str) -> Path:
         "`<dir>/<kind>/<chapter>-<name><suffix>`, its folder created; `name` must be lower-case-with-hyphens."

@@ -9,11 +9,13 @@ import configparser
 import datetime as dt
 import html
 import json
+import os
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from unittest import mock
 
 from .core import ConfigError, list_presets, project_root, sha256_file
 
@@ -106,9 +108,11 @@ def run_chapter(chapter: str, s: ReportSettings) -> float:
     run = dict(preset=s.preset, outputs=str(Path(s.outputs)), seed=s.seed, device=s.device)
     params = {k: v for k, v in run.items() if k in pm.inspect_notebook(str(src))}  # only what the chapter declares
     t0 = time.perf_counter()
+    root = {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent)}  # artifacts and the compliance output 08 reads share it
     try:
-        pm.execute_notebook(src, dst, parameters=params, cwd=str(src.parent), kernel_name="python3",
-                            execution_timeout=s.cell_timeout, progress_bar={"desc": chapter, "leave": True})
+        with mock.patch.dict(os.environ, root):
+            pm.execute_notebook(src, dst, parameters=params, cwd=str(src.parent), kernel_name="python3",
+                                execution_timeout=s.cell_timeout, progress_bar={"desc": chapter, "leave": True})
     except pm.PapermillExecutionError as e:
         raise ChapterFailed(f"chapter {chapter} failed in cell {e.exec_count} ({dst}): {e.ename}: {e.evalue}") from None
     return time.perf_counter() - t0

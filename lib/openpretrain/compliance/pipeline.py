@@ -32,7 +32,7 @@ from .pii import PIIAnonymizer, PIIConfig
 from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
                                               make_embedder, random_score)
-from ..core import load_preset, project_root
+from ..core import load_preset, outputs_root
 
 # %% auto #0
 __all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
@@ -348,7 +348,7 @@ def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, outpu
                    input_dir: str | Path | None = None, fmt: str | None = None, robots_snapshot=None,
                    heads_path: str | Path | None = None) -> Ledger:
     "Run reader → robots → toxicity → PII → writer locally; resumable, one run per output folder; returns the ledger."
-    out = Path(output_dir) if output_dir else project_root() / "outputs" / preset / "compliance"
+    out = Path(output_dir) if output_dir else outputs_root() / preset / "compliance"
     input_dir, fmt, robots_snapshot = _defaults(preset, input_dir, fmt, robots_snapshot)
     ids = input_ids(input_dir, fmt)  # fails closed on duplicate ids, before anything is written
     tasks = plan_tasks(tasks, input_dir, fmt)

@@ -20,7 +20,7 @@ from datatrove.pipeline.base import PipelineStep
 from fastcore.basics import patch
 from torch import Tensor
 
-from ..core import ConfigError, configs_dir, from_dict, load_preset, project_root
+from ..core import ConfigError, configs_dir, from_dict, load_preset, outputs_root, project_root
 from ..tokenization import TokenizerConfig, load_tokenizer
 
 UNITS = {"tokens": 1, "B": 10**9, "T": 10**12}  # how a curriculum writes token counts
@@ -248,7 +248,7 @@ class DataConfig:
 def input_documents(config: DataConfig, preset: str) -> tuple[str, str]:
     "(path, format) of the documents to tokenize: the compliance kept folder, a JSONL folder, or the corpus Parquet."
     from openpretrain.corpus import corpus_files
-    kept = project_root() / "outputs" / preset / "compliance" / "kept"
+    kept = outputs_root() / preset / "compliance" / "kept"  # the run's own compliance stage (04a), never another run's
     if config.input == "auto" and any(kept.glob("*.jsonl*")):
         return str(kept), "jsonl"
     if config.input in ("auto", "embedded"):
