@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # %% ../../../nbs/13_evaluation.ipynb #e500ec61
 def run_fingerprint(preset: str, steps: int) -> str:
-    "16 hex digits naming a training run by what decides its weights: preset, token files, steps and the training code."
+    "16 hex digits naming a training run by what decides its weights: preset, token files, steps, threads, training code."
     p = load_preset(preset)
     data = p.section("data", DataConfig)
     tokens = tokenize_curriculum(run_stages(load_curriculum(data.curriculum), data.seq_len), data,
@@ -360,7 +360,8 @@ def run_fingerprint(preset: str, steps: int) -> str:
     import openpretrain
     package = Path(openpretrain.__file__).resolve().parent
     code = [package / "core.py", *sorted((package / "training").glob("*.py")), *sorted((package / "models").glob("*.py"))]
-    h = hashlib.sha256(json.dumps([p.raw, tokens.name, steps], sort_keys=True, default=str).encode())
+    threads = torch.get_num_threads()  # CPU weights differ between thread counts (the order of float sums)
+    h = hashlib.sha256(json.dumps([p.raw, tokens.name, steps, threads], sort_keys=True, default=str).encode())
     for f in code:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
