@@ -22,7 +22,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from torch import nn
 
-from ..core import ConfigError, load_preset, project_root
+from ..core import ConfigError, load_preset, project_root, to_dict
 from ..corpus import load_embedded, load_udhr
 from ..models.common import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
@@ -230,11 +230,13 @@ class TrainedText:
 
 # %% ../../../nbs/13_evaluation.ipynb #f0ab8ef2
 def trained_texts(presets: list[str], n: int = 13) -> list[TrainedText]:
-    "One `TrainedText` per distinct (data, tokenizer) section among the evaluated presets."
+    "One `TrainedText` per distinct (data section, tokenizer) among the evaluated presets."
     distinct = {}
     for preset in presets:
-        raw = load_preset(preset).raw
-        distinct.setdefault(json.dumps([raw.get("data"), raw.get("tokenizer")], sort_keys=True), preset)
+        p = load_preset(preset)
+        tok = p.section("tokenizer", TokenizerConfig)
+        key = json.dumps([to_dict(p.section("data", DataConfig)), tok.name, tok.vocab_size, tok.bod, tok.eod])
+        distinct.setdefault(key, preset)
     return [TrainedText.from_preset(p, n) for p in distinct.values()]
 
 def trained_overlap(trained: list[TrainedText], text: str) -> float:
@@ -271,20 +273,22 @@ def heldout_tasks(cfg: EvaluationConfig, trained: list[TrainedText],
     "Bits-per-byte texts per language, continuation items, and the held-out check of every candidate text."
     bpb, items, check = {}, [], []
     def checked(source: str, lang: str, texts: list[str], take) -> list[str]:
+        "Check `texts` and record the row; `take(passing texts, whether all passed)` picks those used."
         shares = [trained_overlap(trained, t) for t in texts]
-        kept = take([t for t, s in zip(texts, shares) if s == 0], shares)
+        passing = [t for t, s in zip(texts, shares) if s == 0]
+        kept = take(passing, len(passing) == len(texts))
         check.append({"source": source, "language": lang, "texts": len(texts), "trained on": sum(s > 0 for s in shares),
                       "window share": float(np.mean(shares)) if shares else 0.0, "used": len(kept)})
         return kept
     for lang in cfg.languages:
         docs = []
-        for code in udhr_versions(lang):  # the first version with no trained-on article; the others are reported
+        for code in udhr_versions(lang):  # the first version none of whose articles is trained on; all are reported
             docs += checked(f"UDHR {code}", lang, udhr_documents(lang, cfg.udhr_articles, code),
-                            lambda ok, s: ok if not docs and len(ok) == len(s) else [])
-        docs += checked("validation", lang, validation_documents(lang, 10**6), lambda ok, s: ok[:cfg.validation_docs])
+                            lambda ok, clean: ok if clean and not docs else [])
+        docs += checked("validation", lang, validation_documents(lang, 10**6), lambda ok, _: ok[:cfg.validation_docs])
         if docs:
             bpb[lang] = docs
-        sentences = checked("validation sentences", lang, validation_sentences(lang), lambda ok, s: ok)
+        sentences = checked("validation sentences", lang, validation_sentences(lang), lambda ok, _: ok)
         items += continuation_items(lang, sentences, cfg.mc_items, cfg.mc_choices, seed)
     return bpb, items, pd.DataFrame(check)
 
