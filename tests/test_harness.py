@@ -10,8 +10,9 @@ from lm_eval.api.model import TemplateLM
 
 from openpretrain.core import load_preset
 from openpretrain.corpus import load_embedded
-from openpretrain.evaluation.harness import (EvaluationConfig, OpenPretrainLM, continuation_items, encode_pair, main,
-                                             evaluate, hf_backend, write_tasks)
+from openpretrain.evaluation.harness import (EvaluationConfig, OpenPretrainLM, TrainedText, continuation_items,
+                                             encode_pair, evaluate, heldout_tasks, hf_backend, main, udhr_documents,
+                                             udhr_versions, validation_documents, validation_sentences, write_tasks)
 from openpretrain.models.registry import build_model, model_config, to_hf
 from openpretrain.tokenization import TokenizerConfig, load_tokenizer
 
@@ -60,7 +61,7 @@ def test_generate_until_cuts_at_the_first_stop_sequence(tok):
 
 
 def test_continuation_items_hold_the_true_second_half():
-    items = continuation_items("deu", 5, 4, seed=0)
+    items = continuation_items("deu", validation_sentences("deu"), 5, 4, seed=0)
     sentences = {" ".join(s.split()) for doc in load_embedded("validation", languages=["deu"])["text"]
                  for s in __import__("re").split(r"(?<=[.!?])\s+", doc)}
     assert len(items) == 5
@@ -71,7 +72,8 @@ def test_continuation_items_hold_the_true_second_half():
 
 def test_local_tasks_run_offline_and_bits_per_byte_is_the_rolling_loss(tok, tmp_path):
     cfg = EvaluationConfig(languages=["roh", "deu"], udhr_articles=1, validation_docs=0, mc_items=2)
-    task_dir = write_tasks(cfg, tmp_path)
+    task_dir = write_tasks({lang: udhr_documents(lang, 1) for lang in cfg.languages},
+                           continuation_items("deu", validation_sentences("deu"), 2, 4), tmp_path)
     lm = OpenPretrainLM(_model("tiny-hybrid"), tok, max_length=64, batch_size=4)
     table = evaluate(lm, cfg.tasks, task_dir).set_index(["task", "metric"]).value
     doc = (tmp_path / "openpretrain_bpb_roh.jsonl").read_text().splitlines()[0]
@@ -90,7 +92,59 @@ def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, 
                  "--limit", "1", "--out", str(out)]) == 0
     import pandas as pd
     table = pd.read_csv(out).set_index("metric").value
-    text = __import__("json").loads((Path(write_tasks(EvaluationConfig())) / "openpretrain_bpb_roh.jsonl")
-                                    .read_text().splitlines()[0])["text"]
+    text = udhr_documents("roh", 1)[0]  # the first text of the roh task: Romansh UDHR article 1, held out
     ll = OpenPretrainLM(model, tok, max_length=256).loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
     assert table["bits_per_byte"] == pytest.approx(-ll / len(text.encode()) / math.log(2), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return TrainedText.from_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def pool_text(trained):
+    "The tiny curriculum's pools decoded to text: the independent, character-level view of what the models read."
+    return "\x00".join(trained.tokenizer.tok.decode(s.tolist()) for s in trained.streams)
+
+
+@pytest.fixture(scope="module")
+def pool_spans(trained):
+    "Every run of 16 whitespace-separated words in the decoded pools (16 words ⇒ ≥ 13 tokens shared inside a span)."
+    spans = set()
+    for stream in trained.streams:
+        words = trained.tokenizer.tok.decode(stream.tolist()).split()
+        spans.update(tuple(words[i:i + 16]) for i in range(len(words) - 15))
+    return spans
+
+
+def _shares_a_span(text, spans):
+    words = text.split()
+    return any(tuple(words[i:i + 16]) in spans for i in range(len(words) - 15))
+
+
+def test_heldout_check_flags_udhr_the_curriculum_reads_and_passes_a_validation_document(trained, pool_text, pool_spans):
+    read = [(code, doc) for lang in ["por", "fin"] for code in udhr_versions(lang)
+            for doc in udhr_documents(lang, 30, code) if doc in pool_text]
+    assert read, "the tiny udhr source holds the Portuguese and Finnish UDHR verbatim"
+    assert all(trained.overlap(doc) > 0 for _, doc in read)
+    doc = validation_documents("roh", 1)[0]
+    assert not _shares_a_span(doc, pool_spans)
+    assert trained.overlap(doc) == 0
+
+
+def test_heldout_check_refuses_a_text_too_short_to_check(trained):
+    with pytest.raises(ValueError, match="too short"):
+        trained.overlap("a")
+
+
+def test_heldout_tasks_never_emit_a_text_the_curriculum_reads(trained, pool_spans):
+    cfg = EvaluationConfig(languages=["por", "fin", "spa", "roh"], validation_docs=4, mc_items=5)
+    bpb, items, check = heldout_tasks(cfg, [trained])
+    emitted = [t for docs in bpb.values() for t in docs] + [it["context"] + c for it in items for c in it["choices"]]
+    assert emitted and not any(_shares_a_span(t, pool_spans) for t in emitted)
+    assert not any(doc in bpb.get("por", []) for doc in udhr_documents("por", 30, "por_PT"))  # por_PT is in the pool
+    assert "fin" not in bpb  # both Finnish versions share windows with the trained one, and fin has no validation text
+    assert "roh" in bpb and len(bpb["roh"]) == 30 + 4
+    flagged = check.set_index(["source", "language"])["trained on"]
+    assert flagged["UDHR por_PT", "por"] == 30 and flagged["UDHR roh", "roh"] == 0
