@@ -243,3 +243,33 @@ def test_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
     ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)
+
+
+UNTUNED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_trainer import SyntheticLoader
+from openpretrain.training import trainer
+trainer.keep_freed_memory = lambda: False      # glibc's default: big blocks mmap-ed on alloc, unmapped on free
+a = json.loads(sys.argv[1])
+trainer.train(a["preset"], a["out"], a["max_steps"], loader_factory=SyntheticLoader)
+"""
+
+
+def test_keeping_freed_memory_changes_no_metric(tmp_path):
+    preset, script = write_preset(tmp_path), tmp_path / "untuned.py"
+    script.write_text(UNTUNED.format(tests=str(TESTS)))
+    args = json.dumps({"preset": str(preset), "out": str(tmp_path / "untuned"), "max_steps": 4})
+    subprocess.run([sys.executable, str(script), args], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                   check=True, stderr=subprocess.DEVNULL)
+    timings = {"tokens_per_s", "mfu"}
+    rows = lambda path: [{k: v for k, v in r.items() if k not in timings} for r in read_metrics(path)]
+    assert rows(run(preset, tmp_path / "tuned", 4)) == rows(tmp_path / "untuned" / "metrics.jsonl")
+
+
+def test_resume_keeps_metric_rows_through_its_step_and_drops_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"st')
+    assert trainer.kept_rows(path, 2) == ['{"step": 1}\n', '{"step": 2}\n']
+    assert trainer.kept_rows(path, 9) == ['{"step": 1}\n', '{"step": 2}\n', '{"step": 3}\n']
+    assert trainer.kept_rows(tmp_path / "missing.jsonl", 9) == []

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import math
 import os
@@ -42,10 +44,11 @@ if TYPE_CHECKING:
 
 # %% auto #0
 __all__ = ['MANIFEST', 'BATCH_FIELDS', 'TrainConfig', 'Plan', 'plan', 'check_data_budget', 'train_flops_per_token',
-           'measure_peak_flops', 'sync', 'CheckpointError', 'write_checkpoint', 'verify_checkpoint', 'checkpoints',
-           'latest_valid_checkpoint', 'prune_checkpoints', 'load_model', 'export_hf', 'capture_state', 'restore_state',
-           'parallelize', 'gradient_sync', 'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'MetricsLog',
-           'read_metrics', 'DropCounter', 'token_loader', 'train', 'metrics_row', 'save_checkpoint', 'main']
+           'measure_peak_flops', 'sync', 'keep_freed_memory', 'CheckpointError', 'write_checkpoint',
+           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'load_model',
+           'export_hf', 'capture_state', 'restore_state', 'parallelize', 'gradient_sync', 'device_of', 'all_sum',
+           'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'DropCounter', 'token_loader',
+           'train', 'step_batches', 'metrics_row', 'run_constants', 'save_checkpoint', 'main']
 
 # %% ../../../nbs/11_train.ipynb #107d5713
 @dataclass(kw_only=True)
@@ -86,6 +89,7 @@ class Plan:
         "Micro-batches per process at `step` (batch doubling = more accumulation at the same lr)."
         return self.schedule.batch_size_at(step) // (self.train.micro_batch * self.world_size)
 
+# %% ../../../nbs/11_train.ipynb #4bbc0a8c
 def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1) -> Plan:
     "Read and cross-check a preset's sections; every mistake is a `ConfigError` naming the key, before any compute."
     p = preset if isinstance(preset, Preset) else load_preset(preset)
@@ -127,6 +131,7 @@ def train_flops_per_token(config: DenseConfig | HybridConfig, seq_len: int) -> f
     attention = config.pattern.count("*") * seq_len * config.n_heads * config.head_dim
     return 6.0 * (counts["active"] - counts["embedding"]) + 6.0 * attention
 
+@functools.cache   # once per process: a worker that trains many short runs measures once
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
     "Best FLOP/s of an n×n matmul on `device` in `dtype` (the MFU denominator, measured, not a datasheet)."
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -142,6 +147,16 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+# %% ../../../nbs/11_train.ipynb #966e60ee
+def keep_freed_memory() -> bool:
+    "glibc: allocate every block from the heap and never give freed memory back, so big per-step tensors reuse pages."
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:                    # not glibc (macOS, musl): nothing to tune
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt parameters from glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 # %% ../../../nbs/11_train.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -170,6 +185,7 @@ def write_checkpoint(root: Path, step: int, files: dict[str, dict[str, Tensor] |
     _fsync(root)
     return final
 
+# %% ../../../nbs/11_train.ipynb #1cd75497
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -296,6 +312,7 @@ def parallelize(model: nn.Module, train: TrainConfig, accelerator) -> nn.Module:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
+# %% ../../../nbs/11_train.ipynb #f75b2ee5
 def gradient_sync(model: nn.Module, accelerator, on: bool):
     "Context for one micro-batch: gradients are reduced across processes only on the step's last one."
     if hasattr(model, "set_requires_gradient_sync"):    # FSDP2
@@ -344,23 +361,28 @@ def train_step(model: nn.Module, optimizer, batches: list, max_norm: float | Non
         result["moe_max_load"] = float(torch.stack([load.max() / load.mean() for load in loads]).mean())
     return result
 
+# %% ../../../nbs/11_train.ipynb #84db6a5e
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
+
+# %% ../../../nbs/11_train.ipynb #376dbd70
+def kept_rows(path: Path, keep_through: int) -> list[str]:
+    "The lines of an existing metrics.jsonl up to step `keep_through`, newline-terminated; a line cut by a kill is dropped."
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                if json.loads(line)["step"] <= keep_through:
+                    rows.append(line + "\n")
+    return rows
 
 # %% ../../../nbs/11_train.ipynb #1392b420
 class MetricsLog:
     "metrics.jsonl, one row per optimizer step (rank 0 writes); a resume drops rows past the restored step."
     def __init__(self, path: Path, keep_through: int, tensorboard: bool):
         self.path = path
-        rows = []
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):   # a line cut by a kill is dropped
-                    row = json.loads(line)
-                    if row["step"] <= keep_through:
-                        rows.append(line + "\n")
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(rows))
+        tmp.write_text("".join(kept_rows(path, keep_through)))
         os.replace(tmp, path)
         self.file = path.open("a")
         self.writer = None
@@ -417,6 +439,7 @@ def train(preset: Preset | str, out_dir: str | os.PathLike | None = None, max_st
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and cfg.precision == "bf16" else "no")
     if not cuda:   # CPU runs repeat bit for bit: without this the hybrid's gradients differ in the last bits between processes
         torch.use_deterministic_algorithms(True)
+        keep_freed_memory()
     out = Path(out_dir) if out_dir else project_root() / "runs" / p.name
     seed_everything(p.seed)
     model = parallelize(build_model(pl.model, device=device_of(accelerator), compile=cfg.compile), cfg, accelerator)
@@ -439,40 +462,12 @@ def train(preset: Preset | str, out_dir: str | os.PathLike | None = None, max_st
 # %% ../../../nbs/11_train.ipynb #e356f621
 BATCH_FIELDS = ("input_ids", "labels", "loss_mask", "doc_ids")
 
-def _loop(pl: Plan, model, optimizer, loader, drops, accelerator, step: int, log, ckpt_root: Path) -> None:
-    from tqdm.auto import tqdm
-    cfg, device, world, seq_len = pl.train, device_of(accelerator), accelerator.num_processes, pl.data.seq_len
-    flops = train_flops_per_token(pl.model, seq_len)
-    peak = measure_peak_flops(device, torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32)
-    if log:   # the run's constants beside its metrics: MFU's denominator and numerator
-        (log.path.parent / "run.json").write_text(json.dumps(
-            {"peak_flops": peak, "flops_per_token": flops, "world_size": world, "device": str(device)}, indent=1))
-    bar = tqdm(total=pl.steps, initial=step, desc=f"train {pl.preset.name}", unit="step",
-               disable=not accelerator.is_main_process)
-    while step < pl.steps:
-        t0 = time.perf_counter()
-        batches = [SimpleNamespace(**{f: getattr(b, f).to(device) for f in BATCH_FIELDS})
-                   for b in (loader.next_batch() for _ in range(pl.accumulation(step)))]
-        lr = pl.schedule.apply(optimizer, step)
-        try:
-            result = train_step(model, optimizer, batches, pl.optim.clip, accelerator)
-        except NonFiniteError as e:
-            raise NonFiniteError(f"step {step + 1}: {e}; stopped before the optimizer step, weights untouched; "
-                                 f"last good checkpoint: {latest_valid_checkpoint(ckpt_root) or 'none'}") from None
-        step += 1
-        row = metrics_row(pl, step, lr, result, drops, device)
-        sync(device)
-        seconds = time.perf_counter() - t0
-        n = row["batch_size"] * seq_len
-        row |= {"tokens_per_s": n / seconds, "mfu": flops * n / seconds / (peak * world)}
-        if log:
-            log.write(row)
-        bar.update()
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        if step % cfg.checkpoint_every == 0 or step == pl.steps or step in cfg.milestones:
-            save_checkpoint(ckpt_root, model, optimizer, loader, step, cfg, accelerator)
-    bar.close()
+def step_batches(pl: Plan, loader, step: int, device: torch.device) -> list[SimpleNamespace]:
+    "This process's micro-batches of optimizer step `step` (0-based), on `device`."
+    return [SimpleNamespace(**{f: getattr(b, f).to(device) for f in BATCH_FIELDS})
+            for b in (loader.next_batch() for _ in range(pl.accumulation(step)))]
 
+# %% ../../../nbs/11_train.ipynb #4b67892b
 def metrics_row(pl: Plan, step: int, lr: float, result: dict, drops, device) -> dict:
     "The deterministic part of a step's metrics row (throughput is added by the caller)."
     n = pl.schedule.batch_size_at(step - 1) * pl.data.seq_len                    # tokens in this step's global batch
@@ -484,6 +479,48 @@ def metrics_row(pl: Plan, step: int, lr: float, result: dict, drops, device) -> 
     if "moe_max_load" in result:
         row["moe_max_load"] = result["moe_max_load"]
     return row
+
+# %% ../../../nbs/11_train.ipynb #52c31be8
+def run_constants(pl: Plan, accelerator, log) -> tuple[float, float]:
+    "Training FLOPs per token and one process's measured peak FLOP/s (MFU's numerator and denominator), into run.json."
+    device = device_of(accelerator)
+    flops = train_flops_per_token(pl.model, pl.data.seq_len)
+    peak = measure_peak_flops(device, torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32)
+    if log:
+        (log.path.parent / "run.json").write_text(json.dumps(
+            {"peak_flops": peak, "flops_per_token": flops, "world_size": accelerator.num_processes,
+             "device": str(device)}, indent=1))
+    return flops, peak
+
+# %% ../../../nbs/11_train.ipynb #583595a4
+def _loop(pl: Plan, model, optimizer, loader, drops, accelerator, step: int, log, ckpt_root: Path) -> None:
+    from tqdm.auto import tqdm
+    cfg, device, world = pl.train, device_of(accelerator), accelerator.num_processes
+    flops, peak = run_constants(pl, accelerator, log)
+    bar = tqdm(total=pl.steps, initial=step, desc=f"train {pl.preset.name}", unit="step",
+               disable=not accelerator.is_main_process)
+    while step < pl.steps:
+        t0 = time.perf_counter()
+        batches = step_batches(pl, loader, step, device)
+        lr = pl.schedule.apply(optimizer, step)
+        try:
+            result = train_step(model, optimizer, batches, pl.optim.clip, accelerator)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"step {step + 1}: {e}; stopped before the optimizer step, weights untouched; "
+                                 f"last good checkpoint: {latest_valid_checkpoint(ckpt_root) or 'none'}") from None
+        step += 1
+        row = metrics_row(pl, step, lr, result, drops, device)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        n = row["batch_size"] * pl.data.seq_len
+        row |= {"tokens_per_s": n / seconds, "mfu": flops * n / seconds / (peak * world)}
+        if log:
+            log.write(row)
+        bar.update()
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        if step % cfg.checkpoint_every == 0 or step == pl.steps or step in cfg.milestones:
+            save_checkpoint(ckpt_root, model, optimizer, loader, step, cfg, accelerator)
+    bar.close()
 
 # %% ../../../nbs/11_train.ipynb #85fccb2e
 def save_checkpoint(root: Path, model, optimizer, loader, step: int, cfg: TrainConfig, accelerator) -> None:
