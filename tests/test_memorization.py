@@ -5,7 +5,6 @@ import difflib
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -17,8 +17,7 @@ from torch import Tensor, nn
 from ..core import ConfigError
 from ..models.common import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
-from ..training.data import (Curriculum, StageSpec, TokenLoader, TokenPool, row_counts, stage_weights,
-                                        tokenize_curriculum)
+from ..training.data import StageSpec, TokenLoader, TokenPool, row_counts, stage_weights, tokenize_curriculum
 
 # %% auto #0
 __all__ = ['PROBE_SOURCE', 'DECODINGS', 'MemorizationConfig', 'lcs_length_dp', 'lcs_length', 'rouge_l', 'lccs', 'exact_match',
