@@ -310,3 +310,14 @@ def test_chapters_run_with_the_report_root_as_their_outputs_root(tmp_path, monke
     monkeypatch.delenv("OPENPRETRAIN_OUTPUTS", raising=False)
     run_chapter("00_core", ReportSettings(outputs=str(tmp_path), device="cpu"))
     assert seen["root"] == str(tmp_path) and "OPENPRETRAIN_OUTPUTS" not in os.environ
+
+
+def test_a_partial_check_reuses_the_committed_compliance_output_unless_it_reruns_04a(tmp_path):
+    from openpretrain.report import reuse_upstream
+    kept = tmp_path / "committed" / "compliance" / "kept"
+    kept.mkdir(parents=True)
+    (kept / "00000.jsonl.gz").write_bytes(b"docs")
+    assert reuse_upstream(tmp_path / "committed", tmp_path / "a", ["08_data", "12_memorization"]) == ["compliance"]
+    assert (tmp_path / "a" / "compliance" / "kept" / "00000.jsonl.gz").read_bytes() == b"docs"
+    assert reuse_upstream(tmp_path / "committed", tmp_path / "b", ["04a_pipeline", "08_data"]) == []
+    assert not (tmp_path / "b").exists()

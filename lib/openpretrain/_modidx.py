@@ -866,6 +866,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'openpretrain.report.discover_chapters': ('report.html#discover_chapters', 'openpretrain/report.py'),
                                      'openpretrain.report.git_state': ('report.html#git_state', 'openpretrain/report.py'),
                                      'openpretrain.report.read_settings': ('report.html#read_settings', 'openpretrain/report.py'),
+                                     'openpretrain.report.reuse_upstream': ('report.html#reuse_upstream', 'openpretrain/report.py'),
                                      'openpretrain.report.run_chapter': ('report.html#run_chapter', 'openpretrain/report.py'),
                                      'openpretrain.report.run_report': ('report.html#run_report', 'openpretrain/report.py'),
                                      'openpretrain.report.write_index': ('report.html#write_index', 'openpretrain/report.py')},

@@ -10,6 +10,7 @@ import datetime as dt
 import html
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -20,9 +21,9 @@ from unittest import mock
 from .core import ConfigError, list_presets, project_root, sha256_file
 
 # %% auto #0
-__all__ = ['SETTING_KEYS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'discover_chapters', 'ReportSettings', 'read_settings',
+__all__ = ['SETTING_KEYS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'UPSTREAM', 'discover_chapters', 'ReportSettings', 'read_settings',
            'check_settings', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'git_state',
-           'collect_artifacts', 'write_index', 'compare_manifests', 'check_report']
+           'collect_artifacts', 'write_index', 'compare_manifests', 'reuse_upstream', 'check_report']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -225,6 +226,15 @@ def compare_manifests(committed: dict, fresh: dict, chapters: list[str] | None =
             + [f"missing from the rerun: {p}" for p in sorted(old.keys() - new.keys())]
             + [f"not in the committed manifest: {p}" for p in sorted(new.keys() - old.keys())])
 
+UPSTREAM = {"compliance": "04a_pipeline"}  # folder of the report root → the chapter that writes it (08+ read it)
+
+def reuse_upstream(src: Path, dst: Path, chapters: list[str]) -> list[str]:
+    "Copy into `dst` the upstream folders of `src` whose writing chapter is not rerun; returns their names."
+    reused = [f for f, writer in UPSTREAM.items() if writer not in chapters and (src / f).is_dir()]
+    for folder in reused:
+        shutil.copytree(src / folder, dst / folder)
+    return reused
+
 def check_report(s: ReportSettings, only: list[str] | None = None) -> list[str]:
     "Rerun the chapters into a temporary folder and compare their tables and figures with `s`'s manifest."
     manifest = s.out_dir / "manifest.json"
@@ -233,6 +243,7 @@ def check_report(s: ReportSettings, only: list[str] | None = None) -> list[str]:
     committed = json.loads(manifest.read_text())
     with tempfile.TemporaryDirectory(prefix="openpretrain-check-") as tmp:
         fresh = replace(s, outputs=tmp)
+        reuse_upstream(s.out_dir, fresh.out_dir, only or s.chapters)  # a partial rerun reads what the full run read
         run_report(fresh, only)
         rerun = json.loads((fresh.out_dir / "manifest.json").read_text())
     return compare_manifests(committed, rerun, only or s.chapters)
