@@ -97,7 +97,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
         dtype = y.dtype
         y = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))   # (..., groups, group_size)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = F.rms_norm(y, (self.group_size,), eps=self.eps)                       # y / √(mean(y²) + eps), one fused op
         return self.weight * y.flatten(-2).to(dtype)
 
 @dataclass
