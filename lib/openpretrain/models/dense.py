@@ -120,7 +120,7 @@ class _XIELUEager(torch.autograd.Function):
         x, r, pos, e, neg, alpha_p, alpha_n = ctx.saved_tensors
         ap, an = F.softplus(alpha_p), ctx.beta + F.softplus(alpha_n)
         below = 1 - (x - ctx.eps).relu_().sign_()                  # 1 where x ≤ ε: the clamp passes the gradient
-        d_neg = (e + 1).mul_(below).sub_(1).mul_(1 - pos)           # d neg / dx: e^x·[x ≤ ε] − 1 where x ≤ 0, else 0
+        d_neg = (e + 1).mul_(below).sub_(1).add_(pos)               # d neg / dx: e^x·[x ≤ ε] − 1 where x ≤ 0, else 0
         dx = (2 * ap * r).add_(an * d_neg).add_(ctx.beta).mul_(dy)
         d_ap = (dy * r).mul_(r).sum(dtype=torch.float32)            # Σ dy·x² over x > 0
         d_an = (dy * neg).sum(dtype=torch.float32)                  # Σ dy·(expm1(min(x, ε)) − x) over x ≤ 0
