@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpretrain.core import ConfigError, load_preset
-from openpretrain.models.common import (KVCache, apply_rope, cache_bytes_per_token, document_positions, generate,
-                                        param_counts, rope_inv_freq, sample_next)
+from openpretrain.models.common import (KVCache, RMSNorm, apply_rope, cache_bytes_per_token, document_positions,
+                                        generate, param_counts, rope_inv_freq, sample_next)
 from openpretrain.models.dense import (XIELU, DenseConfig, build, from_hf, hf_config, to_hf,
-                                       train_flops_per_token, xielu_reference)
+                                       train_flops_per_token, xielu_eager, xielu_reference)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -127,6 +127,31 @@ def test_xielu_matches_transformers_values_and_gradients():
     g_ours = torch.autograd.grad(ours(x).square().sum(), [x, ours.alpha_p, ours.alpha_n])
     g_ref = torch.autograd.grad(ref(x).square().sum(), [x, ref.alpha_p, ref.alpha_n])
     for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, {}), (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))])
+def test_eager_xielu_equals_the_formula_in_values_and_gradients(dtype, tol):
+    torch.manual_seed(0)  # both sides of 0 and of ε, the band between them, far tails
+    edges = torch.tensor([0.0, -0.0, -1e-6, -5e-7, -2e-6, 1e-7, -40.0, 9.0])
+    x = torch.cat([torch.randn(5000) * 4, edges]).to(dtype).requires_grad_()
+    ap, an = (torch.tensor([v], dtype=dtype, requires_grad=True) for v in (0.3, -0.7))
+    dy = torch.randn_like(x)
+    ours, ref = xielu_eager(x, ap, an), xielu_reference(x, ap, an)
+    assert torch.equal(ours, ref)  # each branch's ops in the formula's order
+    for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_rms_norm_with_fused_gain_equals_gain_times_norm():
+    torch.manual_seed(0)
+    norm, x = RMSNorm(16), torch.randn(4, 16, requires_grad=True)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    unfused = norm.weight * (x / x.pow(2).mean(-1, keepdim=True).add(norm.eps).sqrt())
+    torch.testing.assert_close(norm(x), unfused)
+    for a, b in zip(torch.autograd.grad(norm(x).square().sum(), [x, norm.weight]),
+                    torch.autograd.grad(unfused.square().sum(), [x, norm.weight])):
         torch.testing.assert_close(a, b)
 
 

@@ -88,6 +88,17 @@ def test_mamba_mixer_packed_documents_do_not_see_each_other():
         torch.testing.assert_close(packed, torch.cat([m(a), m(b)], 1), rtol=1e-5, atol=1e-5)
 
 
+def test_mamba_conv1d_path_equals_the_shifted_taps_in_values_and_gradients():
+    m = mixer()
+    xBC = torch.randn(2, 13, m.conv_dim, requires_grad=True)
+    one_document = torch.zeros(2, 13, dtype=torch.long)   # the masked taps path, masking nothing
+    taps, conv = m._conv(xBC, None, one_document), m._conv(xBC, None)
+    torch.testing.assert_close(conv, taps)
+    dy, params = torch.randn_like(taps), [xBC, m.conv1d.weight, m.conv1d.bias]
+    for a, b in zip(torch.autograd.grad(conv, params, dy), torch.autograd.grad(taps, params, dy)):
+        torch.testing.assert_close(a, b)
+
+
 # ---------------------------------------------------------------- MoE
 
 def test_router_bias_changes_the_choice_but_not_the_weights():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch import Tensor, nn
 
 from fastcore.basics import patch
@@ -24,8 +25,8 @@ from .common import (Attention, AttnMask, KVCache, RMSNorm, Rotary, attention_ma
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LLAMA3_KEYS', 'HF_FIELDS', 'HF_FIXED', 'DenseConfig', 'check_dense_config', 'xielu_reference', 'xielu',
-           'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
+__all__ = ['log', 'LLAMA3_KEYS', 'HF_FIELDS', 'HF_FIXED', 'DenseConfig', 'check_dense_config', 'xielu_reference', 'xielu_eager',
+           'xielu', 'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
            'train_flops_per_token']
 
 # %% ../../../nbs/06_dense.ipynb #df0fc1ab
@@ -98,6 +99,38 @@ def xielu_reference(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0
     negative = an * (torch.expm1(x.clamp(max=eps)) - x) + beta * x
     return torch.where(x > 0, ap * x * x + beta * x, negative)
 
+# %% ../../../nbs/06_dense.ipynb #1fd62dbe
+class _XIELUEager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float, eps: float) -> Tensor:
+        ap, an = F.softplus(alpha_p), beta + F.softplus(alpha_n)
+        r = x.relu()                                         # x where x > 0, else 0
+        pos = r.sign()                                       # 1 where x > 0, else 0
+        q = x.clamp(max=eps)
+        e = q.addcmul_(q, pos, value=-1).expm1_()            # expm1(min(x, ε)) where x ≤ 0, 0 where x > 0
+        neg = e - x.clamp(max=0)                             # expm1(min(x, ε)) − x where x ≤ 0, 0 where x > 0
+        y = (ap * r).mul_(r).add_(an * neg).add_(beta * x)   # α_p·x·x + α_n·(…) + β·x, one branch being 0
+        ctx.save_for_backward(x, r, pos, e, neg, alpha_p, alpha_n)
+        ctx.beta, ctx.eps = beta, eps
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):
+        x, r, pos, e, neg, alpha_p, alpha_n = ctx.saved_tensors
+        ap, an = F.softplus(alpha_p), ctx.beta + F.softplus(alpha_n)
+        below = 1 - (x - ctx.eps).relu_().sign_()                  # 1 where x ≤ ε: the clamp passes the gradient
+        d_neg = (e + 1).mul_(below).sub_(1).add_(pos)               # d neg / dx: e^x·[x ≤ ε] − 1 where x ≤ 0, else 0
+        dx = (2 * ap * r).add_(an * d_neg).add_(ctx.beta).mul_(dy)
+        d_ap = (dy * r).mul_(r).sum(dtype=torch.float32)            # Σ dy·x² over x > 0
+        d_an = (dy * neg).sum(dtype=torch.float32)                  # Σ dy·(expm1(min(x, ε)) − x) over x ≤ 0
+        return (dx, (d_ap * torch.sigmoid(alpha_p.float())).to(alpha_p.dtype),
+                (d_an * torch.sigmoid(alpha_n.float())).to(alpha_n.dtype), None, None)
+
+def xielu_eager(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
+    "xielu_reference's values, bit for bit, from vectorised ops only, with a hand-written backward."
+    return _XIELUEager.apply(x, alpha_p, alpha_n, float(beta), float(eps))
+
 # %% ../../../nbs/06_dense.ipynb #f3f159b2
 @functools.cache
 def _fused_xielu():
@@ -112,14 +145,16 @@ def _fused_xielu():
         from openpretrain_kernels.xielu import xielu_triton
         log.info("xIELU on CUDA: fused Triton kernel (openpretrain_kernels.xielu)")
         return xielu_triton
-    log.warning(f"xIELU on CUDA: PyTorch formula, {reason}")
+    log.warning(f"xIELU on CUDA: xielu_eager (PyTorch ops, hand-written backward), {reason}")
     return None
 
 def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
-    "xIELU: the fused Triton kernel on CUDA (eager), the PyTorch formula otherwise (and under torch.compile, which fuses it)."
-    if x.is_cuda and not torch.compiler.is_compiling() and (fused := _fused_xielu()) is not None:
+    "xIELU: the Triton kernel on CUDA, else `xielu_eager`; the plain formula under torch.compile, which fuses it."
+    if torch.compiler.is_compiling():
+        return xielu_reference(x, alpha_p, alpha_n, beta, eps)
+    if x.is_cuda and (fused := _fused_xielu()) is not None:
         return fused(x, alpha_p, alpha_n, beta, eps)
-    return xielu_reference(x, alpha_p, alpha_n, beta, eps)
+    return xielu_eager(x, alpha_p, alpha_n, beta, eps)
 
 # %% ../../../nbs/06_dense.ipynb #e9dc9c31
 class XIELU(nn.Module):

@@ -97,7 +97,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
         dtype = y.dtype
         y = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))   # (..., groups, group_size)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = F.rms_norm(y, (self.group_size,), eps=self.eps)                       # y / √(mean(y²) + eps), one fused op
         return self.weight * y.flatten(-2).to(dtype)
 
 @dataclass
@@ -168,10 +168,11 @@ def _conv(self: Mamba2Mixer, xBC: Tensor, state: MambaState | None, segments: Te
     xpad = torch.cat([left, xBC], 1)                                        # (b, k-1+L, conv_dim)
     if state is not None:
         state.conv = xpad[:, L:].detach().clone()                           # the last k-1 inputs
-    if segments is not None:
-        seg = F.pad(segments, (k - 1, 0), value=-1)                         # (b, k-1+L)
+    if segments is None:                                                    # nothing to mask: the taps are a conv1d
+        out = F.conv1d(xpad.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=xBC.shape[2])
+        return out.transpose(1, 2)                                          # (b, L, conv_dim)
+    seg = F.pad(segments, (k - 1, 0), value=-1)                             # (b, k-1+L)
     out = self.conv1d.bias
     for j in range(k):                                                      # tap j sees input t-(k-1-j)
-        tap = xpad[:, j:j + L] * w[:, j]
-        out = out + (tap if segments is None else tap * (seg[:, j:j + L] == segments)[..., None])
+        out = out + xpad[:, j:j + L] * w[:, j] * (seg[:, j:j + L] == segments)[..., None]
     return out                                                              # (b, L, conv_dim)

@@ -76,7 +76,7 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)                                         # pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
         token = order // idx.shape[1]                                             # token of each sorted pair
-        blocks = x[token].split(counts)                                           # one block per expert
+        blocks = x.index_select(0, token).split(counts)                           # one block per expert
         out = torch.cat([relu2(blk @ up.T) @ down.T
                          for blk, up, down in zip(blocks, self.up_proj, self.down_proj)])  # (N·k, d)
         out = out.float() * weights.flatten()[order, None]
