@@ -92,7 +92,7 @@ def test_fallback_is_explicit_and_logged_with_its_reason():
             "assert _fused_xielu() is None and _fused_xielu() is None")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stderr.count("xIELU on CUDA: PyTorch formula, triton is not installed") == 1  # logged once
+    assert out.stderr.count("xIELU on CUDA: xielu_eager (PyTorch ops, hand-written backward), triton is not installed") == 1  # logged once
 
 
 def test_kernels_install_under_a_name_that_shadows_no_other_distribution():
