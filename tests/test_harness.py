@@ -1,6 +1,5 @@
 """lm-eval model (chapter 13): token boundaries as lm-eval splits them, scores equal to lm-eval's `hf` backend, stops, tasks."""
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -284,7 +284,7 @@ def heldout_tasks(cfg: EvaluationConfig, trained: list[TrainedText],
         docs = []
         for code in udhr_versions(lang):  # the first version none of whose articles is trained on; all are reported
             docs += checked(f"UDHR {code}", lang, udhr_documents(lang, cfg.udhr_articles, code),
-                            lambda ok, clean: ok if clean and not docs else [])
+                            lambda ok, clean, taken=bool(docs): ok if clean and not taken else [])
         docs += checked("validation", lang, validation_documents(lang, 10**6), lambda ok, _: ok[:cfg.validation_docs])
         if docs:
             bpb[lang] = docs
