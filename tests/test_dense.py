@@ -1,6 +1,7 @@
 """The Apertus dense decoder and the shared model parts, against transformers and against their defining properties."""
 import ast
 import math
+import os
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from openpretrain.core import ConfigError, load_preset
 from openpretrain.models.common import (KVCache, RMSNorm, apply_rope, cache_bytes_per_token, document_positions,
                                         generate, param_counts, rope_inv_freq, sample_next)
 from openpretrain.models.dense import (XIELU, DenseConfig, build, from_hf, hf_config, to_hf,
-                                       train_flops_per_token, xielu_eager, xielu_reference)
+                                       train_flops_per_token, xielu, xielu_eager, xielu_reference)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -141,6 +142,32 @@ def test_eager_xielu_equals_the_formula_in_values_and_gradients(dtype, tol):
     assert torch.equal(ours, ref)  # each branch's ops in the formula's order
     for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_cpu_xielu_runs_the_compiled_formula_and_equals_it_up_to_rounding():
+    torch.manual_seed(0)  # fp32: CPUs train in fp32 (bf16 autocast is for GPUs)
+    edges = torch.tensor([0.0, -0.0, -1e-6, -5e-7, -2e-6, 1e-7, -40.0, 9.0])
+    x = torch.cat([torch.randn(3, 5000) * 4, edges.expand(3, -1)], dim=1).requires_grad_()
+    ap, an = (torch.tensor([v], requires_grad=True) for v in (0.3, -0.7))
+    dy = torch.randn_like(x)
+    ours, ref = xielu(x, ap, an), xielu_reference(x, ap, an)
+    assert ours.grad_fn.name().startswith("CompiledFunction")  # inductor's loop, not the eager ops
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)   # a_p, a_n: sums over 15,024 elements
+
+
+def test_without_a_cxx_compiler_cpu_xielu_falls_back_to_eager_and_says_why():
+    code = ("import logging, torch\nlogging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "from openpretrain.models.dense import xielu\n"
+            "ys = [xielu(torch.randn(8, requires_grad=True), torch.zeros(1), torch.zeros(1)) for _ in range(2)]\n"
+            "print(ys[0].grad_fn.name())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CXX": "no-such-compiler"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "_XIELUEagerBackward"
+    assert out.stderr.count("xIELU on CPU: xielu_eager (PyTorch ops, hand-written backward), "
+                            "no C++ compiler 'no-such-compiler' for inductor") == 1   # logged once
 
 
 def test_rms_norm_with_fused_gain_equals_gain_times_norm():

@@ -730,6 +730,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense._XIELUEager.forward': ( 'dense.html#_xielueager.forward',
                                                                                               'openpretrain/models/dense.py'),
+                                           'openpretrain.models.dense._compiled_xielu': ( 'dense.html#_compiled_xielu',
+                                                                                          'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense._fused_xielu': ( 'dense.html#_fused_xielu',
                                                                                        'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense._hf_name': ('dense.html#_hf_name', 'openpretrain/models/dense.py'),

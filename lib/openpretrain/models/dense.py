@@ -9,6 +9,8 @@ import functools
 import importlib.util
 import logging
 import math
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -148,12 +150,26 @@ def _fused_xielu():
     log.warning(f"xIELU on CUDA: xielu_eager (PyTorch ops, hand-written backward), {reason}")
     return None
 
+# %% ../../../nbs/06_dense.ipynb #c48fd2a2
+@functools.cache
+def _compiled_xielu():
+    "xielu_reference compiled by inductor (a C++ loop forward and backward) if a C++ compiler is found, else None."
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        log.warning(f"xIELU on CPU: xielu_eager (PyTorch ops, hand-written backward), no C++ compiler '{cxx}' for inductor")
+        return None
+    log.info(f"xIELU on CPU: xielu_reference compiled by inductor ({cxx})")
+    return torch.compile(xielu_reference, dynamic=True, fullgraph=True)
+
+# %% ../../../nbs/06_dense.ipynb #54b5787c
 def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
-    "xIELU: the Triton kernel on CUDA, else `xielu_eager`; the plain formula under torch.compile, which fuses it."
+    "xIELU: the Triton kernel on CUDA, the inductor-compiled formula on CPU, else `xielu_eager`."
     if torch.compiler.is_compiling():
         return xielu_reference(x, alpha_p, alpha_n, beta, eps)
     if x.is_cuda and (fused := _fused_xielu()) is not None:
         return fused(x, alpha_p, alpha_n, beta, eps)
+    if x.device.type == "cpu" and (compiled := _compiled_xielu()) is not None:
+        return compiled(x, alpha_p, alpha_n, beta, eps)
     return xielu_eager(x, alpha_p, alpha_n, beta, eps)
 
 # %% ../../../nbs/06_dense.ipynb #e9dc9c31
