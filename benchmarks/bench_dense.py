@@ -1,9 +1,10 @@
 """Dense train step (forward + backward) in tokens/s: openpretrain's DenseLM vs transformers' ApertusForCausalLM.
 
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed in one process after a
-warm-up, alternating (the order turns every repetition). Sides: our eager model (what the trainer
-runs on CPU: fp32, compile off), transformers' eager model and, with --compile, our model with compiled blocks
-(`build(compile=True)`; its warm-up compiles). Also prints the FLOP/s each of our sides achieves against this
+warm-up, alternating (the order turns every repetition). Sides: our model as the trainer runs it on CPU (fp32,
+blocks not compiled; xIELU is the inductor-compiled formula when a C++ compiler is found, `CXX=none` forces the eager
+xIELU), transformers' eager model and, with --compile, our model with compiled blocks (`build(compile=True)`; its
+warm-up compiles). Also prints the FLOP/s each of our sides achieves against this
 machine's measured fp32 matmul peak, and the ratios of the best and of the median steps.
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_dense.py [--reps 5] [--d-model 512] [--compile]
 """
