@@ -5,7 +5,10 @@ All sides hold the same weights (`to_hf`), see the same batch and the same loss,
 warm-up, alternating (the order turns every repetition; the compiled side's warm-up compiles); the ratios of the
 best and of the median steps are printed. Sides: our eager model, transformers' eager model and,
 with --compile, our model with compiled non-MoE blocks (`build(compile=True)`). The SSD comparison
-runs the scan of one Soofi-sized Mamba-2 layer (forward, eager, chunk 128) at L = 2048.
+runs the scan of one Soofi-sized Mamba-2 layer (forward, eager, chunk 128) at L = 2048. On CPU, one profiled step of
+each side splits its time into matrix products (mm, bmm, addmm: the same products on both sides) and everything
+else, and prints the ratio our model would reach if everything else cost nothing: an upper bound on any speed-up
+of our element-wise, scan and dispatch code.
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_hybrid.py [--reps 3] [--compile] [--device cuda]
 """
 from __future__ import annotations
@@ -56,7 +59,30 @@ def model_step(reps: int, batch: int, seq: int, device: str, compile: bool) -> d
                 times[name].append(dt)
     print(f"model: d_model {config.d_model}, pattern {config.pattern}, {config.n_experts} experts top-{config.top_k}, "
           f"batch {batch}x{seq}, fp32, {device}, {torch.get_num_threads()} threads")
+    if device == "cpu":
+        print_matmul_bound({k: matmul_share(*sides[k], ids) for k in ("ours (eager)", "transformers")},
+                           {k: statistics.median(v) for k, v in times.items()})
     return {k: [batch * seq / t for t in v] for k, v in times.items()}   # tokens/s of every timed step
+
+
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+
+
+def matmul_share(fwd, params, ids: torch.Tensor) -> float:
+    "Share of one profiled train step's CPU time spent in matrix products."
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step_time(fwd, list(params()), ids)
+    events = prof.key_averages()
+    return sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / sum(e.self_cpu_time_total for e in events)
+
+
+def print_matmul_bound(share: dict[str, float], step: dict[str, float]) -> None:
+    "Matmul shares, and transformers' step over our matmul time: our ratio if all our other ops were free."
+    ours, ref = "ours (eager)", "transformers"
+    print(f"matrix products: {100 * share[ours]:.0f}% of our step, {100 * share[ref]:.0f}% of transformers'; "
+          f"transformers' step / our matmul time = {step[ref] / (step[ours] * share[ours]):.2f}x "
+          "(the ratio if every other op of ours cost nothing)")
 
 
 def ssd_time(reps: int, L: int = 2048) -> tuple[float, float]:
