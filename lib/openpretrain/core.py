@@ -127,6 +127,7 @@ def to_dict(config) -> dict:
     "The plain-dict form of a config (for YAML, papermill parameters and manifests)."
     return dataclasses.asdict(config)
 
+# %% ../../nbs/00_core.ipynb #4efc69bb
 def _unknown_key(key: str, where: str, fields) -> str:
     close = difflib.get_close_matches(str(key), list(fields), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -295,6 +296,7 @@ def outputs_root(root: str | os.PathLike = "outputs") -> Path:
 ARTIFACT_NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # `paper-vs-ours`, `fertility-per-word`
 CHAPTER_NAME = re.compile(r"[0-9]{2}[a-z]?_[a-z0-9_]+")  # a notebook stem: `05_tokenizers`, `04a_pipeline`
 
+# %% ../../nbs/00_core.ipynb #40050b9d
 @dataclass
 class Artifacts:
     "Where one chapter's figures and tables go: `<root>/<preset>/{figures,tables,data}/<chapter>-<name>.*`."

@@ -226,6 +226,7 @@ def compare_manifests(committed: dict, fresh: dict, chapters: list[str] | None =
             + [f"missing from the rerun: {p}" for p in sorted(old.keys() - new.keys())]
             + [f"not in the committed manifest: {p}" for p in sorted(new.keys() - old.keys())])
 
+# %% ../../nbs/90_report.ipynb #3d9d233c
 UPSTREAM = {"compliance": "04a_pipeline"}  # folder of the report root → the chapter that writes it (08+ read it)
 
 def reuse_upstream(src: Path, dst: Path, chapters: list[str]) -> list[str]:

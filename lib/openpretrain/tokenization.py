@@ -199,20 +199,24 @@ def gguf_to_hf_json(vocab: dict) -> dict:
         return _tokenizer_json(vocab, _bpe(vocab, False, byte_fallback=True),
                                normalizer={"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
                                pre_tokenizer=_split(r"[^\n]+|[\n]+"), decoder=None, newline_runs=True)
-    if kind == "t5":       # sentencepiece unigram (XLM-R): precompiled normaliser, ▁ prefix
-        charsmap = bytes(np.asarray(vocab["precompiled_charsmap"], dtype=np.uint8))
-        norms = [{"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()}]
-        if vocab.get("remove_extra_whitespaces", True):
-            norms += [{"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
-                      {"type": "Strip", "strip_left": True, "strip_right": True}]
-        unigram = {"type": "Unigram", "unk_id": int(vocab.get("unknown_token_id", 0)), "byte_fallback": False,
-                   "vocab": [[t, float(s)] for t, s in zip(vocab["tokens"], vocab["scores"])]}
-        prefix = "always" if vocab.get("add_space_prefix", True) else "never"
-        return _tokenizer_json(vocab, unigram, normalizer={"type": "Sequence", "normalizers": norms},
-                               pre_tokenizer={"type": "Metaspace", "replacement": "\u2581",
-                                              "prepend_scheme": prefix, "split": True}, decoder=None)
+    if kind == "t5":       # sentencepiece unigram (XLM-R)
+        return _unigram_json(vocab)
     raise ValueError(f"GGUF tokenizer model '{kind}' is not supported (gpt2, gemma4 and t5 are)")
 
+# %% ../../nbs/05_tokenizers.ipynb #e5023727
+def _unigram_json(vocab: dict) -> dict:
+    "tokenizer.json of a sentencepiece unigram GGUF: precompiled normaliser, ▁ prefix."
+    charsmap = bytes(np.asarray(vocab["precompiled_charsmap"], dtype=np.uint8))
+    norms = [{"type": "Precompiled", "precompiled_charsmap": base64.b64encode(charsmap).decode()}]
+    if vocab.get("remove_extra_whitespaces", True):
+        norms += [{"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+                  {"type": "Strip", "strip_left": True, "strip_right": True}]
+    unigram = {"type": "Unigram", "unk_id": int(vocab.get("unknown_token_id", 0)), "byte_fallback": False,
+               "vocab": [[t, float(s)] for t, s in zip(vocab["tokens"], vocab["scores"])]}
+    prefix = "always" if vocab.get("add_space_prefix", True) else "never"
+    return _tokenizer_json(vocab, unigram, normalizer={"type": "Sequence", "normalizers": norms},
+                           pre_tokenizer={"type": "Metaspace", "replacement": "\u2581",
+                                          "prepend_scheme": prefix, "split": True}, decoder=None)
 
 # %% ../../nbs/05_tokenizers.ipynb #c2dea4c9
 def gguf_to_hf(path: str | os.PathLike, name: str | None = None) -> HFTokenizer:
@@ -289,6 +293,7 @@ def _unpack_llama_cpp(sdist: Path, dest: Path) -> Path:
     (dest / "SOURCE").write_text(f"{LLAMA_CPP_SDIST} sha256={sha256_file(sdist)}\n")  # checked before unpacking
     return dest / "models"
 
+# %% ../../nbs/05_tokenizers.ipynb #f34ca864
 def _convert_verified(name: str, gguf_path: Path, out: Path) -> None:
     tok = gguf_to_hf(gguf_path, name)
     inp, expected = gguf_path.with_name(gguf_path.name + ".inp"), gguf_path.with_name(gguf_path.name + ".out")
@@ -426,6 +431,7 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> object:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
     return tok
 
+# %% ../../nbs/05_tokenizers.ipynb #64535271
 def our_tokenizer_name(mixture: str, vocab_size: int) -> str:
     return f"bpe-{mixture}-{vocab_size // 1024}k"
 

@@ -398,6 +398,8 @@ _CONTEXTS = {
     "negative": {"en": ["We shipped {} yesterday.", "See {} for details."], "de": ["Siehe {} im Handbuch."],
                  "fr": ["Voir {} ci-dessous."], "it": ["Vedi {} più avanti."]},
 }
+
+# %% ../../../nbs/03_pii.ipynb #908efd86
 _EMAILS = ["anna.meier@uzh.ch", "o'brien+news@mail.example.co.uk", "x_y@sub.example.org", "Hans.Muster@EXAMPLE.CH",
            "j.doe@epfl.ch", "kontakt@stadt-zuerich.ch", "first.last@exemple.fr", "mario.rossi@example.it",
            "noreply@lists.debian.org", "user123@gmail.com", "émile.zola@exemple.fr", "a@b.io"]
@@ -408,6 +410,8 @@ _IPS = [("85.195.226.14", True), ("8.8.8.8", True), ("193.5.80.10", True), ("110
         ("2620:fe::fe", True), ("2001:db8::1", False), ("::1", False), ("fe80::1ff:fe23:4567:890a", False),
         ("2001:0db8:85a3:0000:0000:8a2e:0370:7334", False), ("::ffff:192.0.2.128", False)]
 _IP_SHAPES = ["{}", "{}:8080", "[{}]:443", "{}/24"]  # bare, with a port (IPv6 in brackets), with a CIDR suffix
+
+# %% ../../../nbs/03_pii.ipynb #a1d48973
 _NEGATIVES = {
     "version": ["v1.2.3.4", "1.2.3.4.5", "Python 3.11.4", "libfoo-2.0.1.3.tar.gz", "release 2.6.32-5-amd64"],
     "date/time": ["12.05.2023", "2023-05-12 12:30:45", "09:15:00", "12:30:45.250"],
@@ -430,17 +434,20 @@ _WHOLE_TEXTS = [  # (group, text, [(value, kind, public)]): texts whose layout m
     ("negative-email-like", "Enable getty@tty2.service and modprobe@xyz.service.", []),
 ]
 
+# %% ../../../nbs/03_pii.ipynb #84406185
+def _in_context(kind: str, value: str, shape: str, rng: random.Random) -> tuple[str, str, int]:
+    "(language, text, offset of `value`): `value` written in `shape`, inside a random sentence of `kind`."
+    lang = rng.choice(sorted(_CONTEXTS[kind]))
+    prefix, suffix = rng.choice(_CONTEXTS[kind][lang]).split("{}")
+    before, after = shape.split("{}")
+    return lang, prefix + before + value + after + suffix, len(prefix) + len(before)
 
 # %% ../../../nbs/03_pii.ipynb #b043023c
 def build_testset(seed: int = 0) -> list[dict]:
     "Labelled PII test items: {id, lang, group, text, spans: [[start, end, kind, public]]} (public: IPs only)."
     rng, items = random.Random(seed), []
     def add(group: str, kind: str, value: str, spans: list, shape: str = "{}"):
-        lang = rng.choice(sorted(_CONTEXTS[kind]))
-        prefix, suffix = rng.choice(_CONTEXTS[kind][lang]).split("{}")
-        before, after = shape.split("{}")
-        start = len(prefix) + len(before)
-        text = prefix + before + value + after + suffix
+        lang, text, start = _in_context(kind, value, shape, rng)
         items.append({"id": f"{group}-{len(items):03d}", "lang": lang, "group": group, "text": text,
                       "spans": [[start + a, start + b, k, p] for a, b, k, p in spans]})
     for value in _EMAILS:
@@ -449,8 +456,7 @@ def build_testset(seed: int = 0) -> list[dict]:
         shape = _IP_SHAPES[i % len(_IP_SHAPES)]
         if ":" in value and shape == "{}:8080":
             shape = "[{}]:8080"
-        group = "ipv6" if ":" in value else "ipv4"
-        add(group, "ip", value, [[0, len(value), "ip", public]], shape)
+        add("ipv6" if ":" in value else "ipv4", "ip", value, [[0, len(value), "ip", public]], shape)
     for country in sorted(BBAN_FORMATS):
         iban = synth_iban(country, rng)
         for form, value in (("compact", iban), ("grouped", group_iban(iban))):

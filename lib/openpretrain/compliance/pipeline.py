@@ -15,6 +15,13 @@ import socket
 from functools import partial
 from pathlib import Path
 
+# %% auto #0
+__all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
+           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
+           'WatchedLocalExecutor', 'make_executor', 'output_lock', 'run_compliance', 'input_ids', 'plan_tasks',
+           'read_ledger']
+
+# %% ../../../nbs/04a_pipeline.ipynb #c891363a
 import multiprocess
 import multiprocess.managers
 import orjson
@@ -33,12 +40,6 @@ from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
                                               make_embedder, random_score)
 from ..core import load_preset, outputs_root
-
-# %% auto #0
-__all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
-           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
-           'WatchedLocalExecutor', 'make_executor', 'output_lock', 'run_compliance', 'input_ids', 'plan_tasks',
-           'read_ledger']
 
 # %% ../../../nbs/04a_pipeline.ipynb #514779c4
 STAGES = ("malformed", "robots", "toxicity", "pii")  # ledger steps in pipeline order (PII rewrites, removes nothing)
@@ -201,17 +202,19 @@ class FailClosed(PipelineStep):
                     continue
                 yield from out
 
-    def _one(self, doc: Document, rank: int, world_size: int):
-        if not isinstance(self.step, BaseFilter):
-            yield from self.step.run(iter([doc]), rank, world_size)
-            return
-        keep = self.step.filter_batch([doc])[0]
-        keep, reason = keep if isinstance(keep, tuple) else (keep, None)
-        if keep:
-            yield doc
-        elif self.step.exclusion_writer:
-            doc.metadata["filter_reason"] = reason
-            self.step.exclusion_writer.write(doc, rank)
+# %% ../../../nbs/04a_pipeline.ipynb #19a8f372
+@patch
+def _one(self: FailClosed, doc: Document, rank: int, world_size: int):
+    if not isinstance(self.step, BaseFilter):
+        yield from self.step.run(iter([doc]), rank, world_size)
+        return
+    keep = self.step.filter_batch([doc])[0]
+    keep, reason = keep if isinstance(keep, tuple) else (keep, None)
+    if keep:
+        yield doc
+    elif self.step.exclusion_writer:
+        doc.metadata["filter_reason"] = reason
+        self.step.exclusion_writer.write(doc, rank)
 
 # %% ../../../nbs/04a_pipeline.ipynb #930f8c41
 def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = "tiny", *,
@@ -270,6 +273,7 @@ def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
+# %% ../../../nbs/04a_pipeline.ipynb #43db6a38
 class WatchedLocalExecutor(LocalPipelineExecutor):
     "datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it."
 

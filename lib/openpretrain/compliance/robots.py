@@ -26,6 +26,14 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
+# %% auto #0
+__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
+           'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
+           'group_applied_before_07', 'strict_allowed', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text',
+           'RobotsConfig', 'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains',
+           'fetch_robots', 'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
+
+# %% ../../../nbs/02_robots.ipynb #156ba021
 import pandas as pd
 from fastcore.basics import patch
 from datatrove.data import Document
@@ -35,13 +43,6 @@ from protego import Protego
 from .ledger import record
 from ..core import ConfigError, bounded
 from ..corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, registrable_domain
-
-# %% auto #0
-__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
-           'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
-           'group_applied_before_07', 'strict_allowed', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text',
-           'RobotsConfig', 'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains',
-           'fetch_robots', 'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
 
 # %% ../../../nbs/02_robots.ipynb #74ecbc2b
 WILDCARD = "*"  # the generic group, checked when RobotsConfig.wildcard is on
@@ -146,6 +147,7 @@ class _StrictFile:
                                   for n, allow, rule in sorted(merged, key=lambda r: (-r[0], not r[1], r[2]))]
         return self._rules[token]
 
+# %% ../../../nbs/02_robots.ipynb #2c666537
 def _strict_parse(robots_txt: str) -> _StrictFile:
     "RFC 9309 §2.1 groups of a robots.txt: user-agent lines open a group, rule lines fill it, other lines are skipped."
     groups: list[_Group] = []
@@ -269,6 +271,7 @@ class RobotsConfig:
     def checked_agents(self) -> tuple[str, ...]:
         return (*self.agents, WILDCARD) if self.wildcard else tuple(self.agents)
 
+# %% ../../../nbs/02_robots.ipynb #6be36a60
 @dataclass(frozen=True)
 class RobotsDecision:
     "What the snapshot says about one URL."

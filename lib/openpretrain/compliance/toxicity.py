@@ -137,6 +137,7 @@ def load_toxic_commons(source: str = "PleIAs/ToxicCommons", split: str = "train"
     df = df[df.lang.isin(languages)] if languages is not None else df
     return df[["text", "lang", "score", "toxic"]].reset_index(drop=True)
 
+# %% ../../../nbs/04_toxicity.ipynb #9eca95a6
 def detect_language(text: str) -> str:
     "Two-letter language code from pycld2 ('un' when unknown)."
     import pycld2
@@ -157,6 +158,7 @@ def word_chunks(text: str, words: int) -> list[str]:
     toks = text.split()
     return [" ".join(toks[i:i + words]) for i in range(0, len(toks), words)] or [text]
 
+# %% ../../../nbs/04_toxicity.ipynb #588ed565
 class USEEmbedder:
     "Multilingual USE v3 (offline) on word chunks (the first `max_chunks`, 0 = all), one document per encoder call."
     dim = 512
@@ -248,15 +250,17 @@ class XLMREmbedder:
         bounds = np.cumsum([0] + [len(cs) for cs in chunks])
         return [flat_emb[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _pool(self, batch: list[list[int]]) -> torch.Tensor:
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), self.tokenizer.pad_token_id)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, c in enumerate(batch):
-            ids[i, :len(c)], mask[i, :len(c)] = torch.tensor(c), 1
-        hidden = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # (B, T, d)
-        m = mask.to(hidden).unsqueeze(-1)  # (B, T, 1)
-        return ((hidden * m).sum(1) / m.sum(1)).float().cpu()  # (B, d)
+# %% ../../../nbs/04_toxicity.ipynb #4199a576
+@patch
+def _pool(self: XLMREmbedder, batch: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), self.tokenizer.pad_token_id)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, c in enumerate(batch):
+        ids[i, :len(c)], mask[i, :len(c)] = torch.tensor(c), 1
+    hidden = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state  # (B, T, d)
+    m = mask.to(hidden).unsqueeze(-1)  # (B, T, 1)
+    return ((hidden * m).sum(1) / m.sum(1)).float().cpu()  # (B, d)
 
 # %% ../../../nbs/04_toxicity.ipynb #f1906e01
 def embedding_cache_dir() -> Path:
@@ -299,6 +303,7 @@ class ToxicityHead(nn.Module):
         "softmax(logits / T)[toxic] in float64: no float32 saturation at 1.0, so top scores do not tie."
         return 1 / (1 + np.exp(-self.margin(x) / float(self.temperature)))
 
+# %% ../../../nbs/04_toxicity.ipynb #a6a050ff
 def balance(y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     "Indices of a 50/50 subsample: all of the minority class, as many of the majority drawn without replacement."
     pos, neg = np.flatnonzero(y == 1), np.flatnonzero(y == 0)
@@ -309,6 +314,19 @@ def split_validation(idx: np.ndarray, val_share: float) -> tuple[np.ndarray, np.
     "(train, validation) indices; `idx` is already shuffled."
     n_val = max(1, round(len(idx) * val_share))
     return idx[n_val:], idx[:n_val]
+
+# %% ../../../nbs/04_toxicity.ipynb #59d99a9e
+def _train_epoch(head: ToxicityHead, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                 batch_size: int) -> float:
+    head.train()
+    losses = []
+    for b in torch.randperm(len(x)).split(batch_size):
+        loss = nn.functional.cross_entropy(head(x[b]), y[b])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return float(np.mean(losses))
 
 # %% ../../../nbs/04_toxicity.ipynb #ad36ca66
 @dataclass
@@ -330,16 +348,9 @@ def train_head(x: np.ndarray, y: np.ndarray, cfg: ToxicityConfig) -> TrainedHead
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     best, best_state, history = -1.0, None, []
     for epoch in range(1, cfg.epochs + 1):
-        head.train()
-        losses = []
-        for b in torch.randperm(len(tr)).split(cfg.batch_size):
-            loss = nn.functional.cross_entropy(head(xt[b]), yt[b])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        loss = _train_epoch(head, opt, xt, yt, cfg.batch_size)
         acc = float((head.eval()(xv).argmax(-1) == yv).float().mean())
-        history.append({"epoch": epoch, "train_loss": float(np.mean(losses)), "val_acc": acc})
+        history.append({"epoch": epoch, "train_loss": loss, "val_acc": acc})
         if acc > best:
             best, best_state, best_epoch = acc, {k: v.clone() for k, v in head.state_dict().items()}, epoch
     head.load_state_dict(best_state)

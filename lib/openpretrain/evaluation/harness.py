@@ -129,6 +129,16 @@ def _rolling_pairs(tokenizer, texts: list[str], prefix_id: int,
             owner.append(i)
     return pairs, owner
 
+# %% ../../../nbs/13_evaluation.ipynb #6a0967fe
+def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: str, device: str | None) -> nn.Module:
+    "`model`, or the model of a trainer checkpoint of `preset` (exactly one of them), in eval mode on `device`."
+    if (model is None) == (checkpoint is None):
+        raise ValueError("OpenPretrainLM needs exactly one of model= or checkpoint=")
+    if model is None:
+        from openpretrain.training.trainer import load_model
+        model = load_model(preset, checkpoint)
+    return model.to(device or next(model.parameters()).device).eval()
+
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
 @register_model("openpretrain")
 class OpenPretrainLM(LM):
@@ -137,12 +147,7 @@ class OpenPretrainLM(LM):
                  preset: str = "tiny", batch_size: int | str = 8, max_length: int | None = None,
                  device: str | None = None, max_batch_size: int | None = None):  # max_batch_size: lm-eval CLI, unused
         super().__init__()
-        if (model is None) == (checkpoint is None):
-            raise ValueError("OpenPretrainLM needs exactly one of model= or checkpoint=")
-        if model is None:
-            from openpretrain.training.trainer import load_model
-            model = load_model(preset, checkpoint)
-        self.model = model.to(device or next(model.parameters()).device).eval()
+        self.model = model = _model_to_evaluate(model, checkpoint, preset, device)
         self.tokenizer = tokenizer or load_tokenizer(load_preset(preset).section("tokenizer", TokenizerConfig))
         self.batch_size = 8 if batch_size == "auto" else int(batch_size)
         self.max_length = int(max_length or getattr(model.config, "max_seq_len", None) or 2048)

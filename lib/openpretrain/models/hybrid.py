@@ -25,10 +25,10 @@ __all__ = ['SOOFI_PATTERN', 'HF_FIELDS', 'HF_FIXED', 'HybridConfig', 'check_hybr
            'HybridCache', 'build', 'init_weights', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
            'mamba_state_bytes', 'params_by_kind']
 
-# %% ../../../nbs/07_hybrid.ipynb #50aab1ce
+# %% ../../../nbs/07_hybrid.ipynb #08db2060
 @dataclass(kw_only=True)
-class HybridConfig:
-    "Nemotron-H style hybrid; defaults are Soofi S 30B-A3B (Table 1), init as transformers' NemotronH."
+class _StackKnobs:
+    "The layer stack and its attention layers (Soofi S 30B-A3B, Table 1)."
     arch: str = "hybrid"              # model family of a preset's model section: dense (ch. 06) | hybrid (ch. 07)
     vocab_size: int = 131_072         # vocabulary (Soofi: 131,072)
     d_model: int = 2688               # residual width (Soofi: 2688)
@@ -36,6 +36,11 @@ class HybridConfig:
     n_heads: int = 32                 # attention query heads (Soofi: 32)
     n_kv_heads: int = 2               # attention key/value heads (Soofi: 2)
     head_dim: int = 128               # attention head width (Soofi: 128); no positional embedding
+
+# %% ../../../nbs/07_hybrid.ipynb #0d6374e8
+@dataclass(kw_only=True)
+class _MambaKnobs:
+    "The Mamba-2 mixers (Soofi S; Δ ranges as transformers' NemotronH)."
     mamba_heads: int = 64             # Mamba-2 heads (Soofi: 64)
     mamba_head_dim: int = 64          # Mamba-2 head width p; inner = heads × p (Soofi: 64 → 4096)
     mamba_groups: int = 8             # groups sharing B and C, also the gated-norm groups (Soofi: 8)
@@ -45,6 +50,11 @@ class HybridConfig:
     dt_min: float = 1e-3              # Δ init range low end, and Δ's floor in the forward pass (Nemotron: 1e-3)
     dt_max: float = 0.1               # Δ init range high end (Nemotron: 0.1)
     dt_init_floor: float = 1e-4       # smallest Δ drawn at init (Nemotron: 1e-4)
+
+# %% ../../../nbs/07_hybrid.ipynb #17e89e2a
+@dataclass(kw_only=True)
+class _MoEKnobs:
+    "The MoE layers: routed and shared experts, routing and its balancing (Soofi S / Nemotron 3 Nano)."
     n_experts: int = 128              # routed experts per MoE layer (Soofi: 128)
     top_k: int = 6                    # routed experts per token (Soofi: 6)
     expert_hidden: int = 1856         # routed expert MLP width (Soofi: 1856)
@@ -52,6 +62,11 @@ class HybridConfig:
     routed_scaling: float = 2.5       # routed weights renormalised then × this (Nemotron 3 Nano: 2.5)
     bias_update_rate: float = 1e-3    # aux-loss-free balancing step u, applied by the trainer (DeepSeek-V3/Nemotron: 1e-3)
     aux_loss_coef: float = 1e-4       # sequence-level balance loss weight, 0 = off (DeepSeek-V3: 1e-4)
+
+# %% ../../../nbs/07_hybrid.ipynb #50aab1ce
+@dataclass(kw_only=True)
+class HybridConfig(_MoEKnobs, _MambaKnobs, _StackKnobs):  # fields: stack, Mamba, MoE (reverse MRO), then these
+    "Nemotron-H style hybrid; defaults are Soofi S 30B-A3B (Table 1), init as transformers' NemotronH."
     mlp_hidden: int = 3712            # width of dense '-' layers (unused by Soofi, which has none)
     norm_eps: float = 1e-5            # RMSNorm epsilon (Nemotron: 1e-5)
     init_std: float = 0.02            # normal init std of linear, conv, embedding, router and expert weights (Nemotron: 0.02)

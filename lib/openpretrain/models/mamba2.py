@@ -64,17 +64,23 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     states = xdt.transpose(-1, -2) @ (B[:, :, :, None] * to_end[..., None])               # (b,c,g,r,p,n)
     # 3. carry states across chunk boundaries: a scan over the c chunks
     chunk_decay = decay(cum[..., -1], docs[..., -1] == 0).unflatten(2, (g, r))[..., None, None]  # (b,c,g,r,1,1)
-    h_ = x.new_zeros(b, g, r, p, n, dtype=f) if state is None else state.to(f).view(b, g, r, p, n)
-    starts = []
-    for i in range(c):
-        starts.append(h_)
-        h_ = chunk_decay[:, i] * h_ + states[:, i]
-    starts = torch.stack(starts, 1)                                             # (b,c,g,r,p,n)
+    starts, h_ = _carry_states(states, chunk_decay, state)                     # (b,c,g,r,p,n), (b,g,r,p,n)
     # 4. what each chunk's start state contributes at every position, decayed from the chunk's start
     from_start = decay(cum, docs == 0).unflatten(2, (g, r))                     # (b,c,g,r,Q)
     y = y + (C[:, :, :, None] @ starts.transpose(-1, -2)) * from_start[..., None]
     y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * Q, h, p)[:, :L]              # (b,L,h,p)
     return y + D.to(f)[:, None] * x.to(f), h_.view(b, h, p, n)
+
+# %% ../../../nbs/06a_mamba2.ipynb #58659d16
+def _carry_states(states: Tensor, chunk_decay: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    "The state entering each chunk (b,c,g,r,p,n) and the final state (b,g,r,p,n); `state`: the one before chunk 0."
+    b, c, g, r, p, n = states.shape
+    h = states.new_zeros(b, g, r, p, n) if state is None else state.to(states.dtype).view(b, g, r, p, n)
+    starts = []
+    for i in range(c):
+        starts.append(h)
+        h = chunk_decay[:, i] * h + states[:, i]
+    return torch.stack(starts, 1), h
 
 # %% ../../../nbs/06a_mamba2.ipynb #6016196b
 def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk_size: int,
