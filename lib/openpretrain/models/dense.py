@@ -124,10 +124,9 @@ class _XIELUEager(torch.autograd.Function):
         below = 1 - (x - ctx.eps).relu_().sign_()                  # 1 where x ≤ ε: the clamp passes the gradient
         d_neg = (e + 1).mul_(below).sub_(1).add_(pos)               # d neg / dx: e^x·[x ≤ ε] − 1 where x ≤ 0, else 0
         dx = (2 * ap * r).add_(an * d_neg).add_(ctx.beta).mul_(dy)
-        d_ap = (dy * r).mul_(r).sum(dtype=torch.float32)            # Σ dy·x² over x > 0
-        d_an = (dy * neg).sum(dtype=torch.float32)                  # Σ dy·(expm1(min(x, ε)) − x) over x ≤ 0
-        return (dx, (d_ap * torch.sigmoid(alpha_p.float())).to(alpha_p.dtype),
-                (d_an * torch.sigmoid(alpha_n.float())).to(alpha_n.dtype), None, None)
+        d_ap = (dy * r).mul_(r).sum(dtype=torch.float32) * torch.sigmoid(alpha_p.float())  # Σ dy·x² over x > 0, · dα_p/da_p
+        d_an = (dy * neg).sum(dtype=torch.float32) * torch.sigmoid(alpha_n.float())  # Σ dy·(expm1(min(x, ε)) − x) over x ≤ 0
+        return dx, d_ap.to(alpha_p.dtype), d_an.to(alpha_n.dtype), None, None
 
 def xielu_eager(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
     "xielu_reference's values, bit for bit, from vectorised ops only, with a hand-written backward."
