@@ -261,7 +261,7 @@ def consolidated_weights(model: nn.Module, checkpoint: Path) -> dict[str, Tensor
     if not (checkpoint / "dcp").is_dir():
         return load_file(str(checkpoint / "model.safetensors"))
     state = {"model": model.state_dict()}              # plain tensors to fill from every rank's shards
-    dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint / "dcp"), no_dist=True)   # even under torchrun: this process reads all
+    dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
     return state["model"]
 
 def export_hf(preset: Preset | str, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -317,10 +317,11 @@ def run_files(loader, step: int) -> dict | None:
 def capture_state(model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> dict | None:
     "Full-format checkpoint files — gathered weights, optimizer tensors + JSON, loader and RNG states — on rank 0 (None elsewhere)."
     weights = get_model_state_dict(model, options=_options(full=True))      # collectives under DDP/FSDP2: every rank calls
-    optim = get_optimizer_state_dict(model, optimizer, options=_options(full=True))   # empty but on rank 0
+    optim = get_optimizer_state_dict(model, optimizer, options=_options(full=True))   # empty except on rank 0
     if (files := run_files(loader, step)) is None:
         return None
-    tensors, files["state.json"]["optimizer"] = split_optimizer(optim)
+    tensors, optimizer_json = split_optimizer(optim)
+    files["state.json"]["optimizer"] = optimizer_json
     return {"model.safetensors": weights, "optimizer.safetensors": tensors, **files}
 
 # %% ../../../nbs/11_train.ipynb #7b73faab
