@@ -1216,6 +1216,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                            'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer._unwrap': ( 'train.html#_unwrap',
                                                                                           'openpretrain/training/trainer.py'),
+                                               'openpretrain.training.trainer.agreed_checkpoint': ( 'train.html#agreed_checkpoint',
+                                                                                                    'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.all_sum': ( 'train.html#all_sum',
                                                                                           'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.capture_state': ( 'train.html#capture_state',

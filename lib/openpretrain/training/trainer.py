@@ -34,10 +34,10 @@ __all__ = ['MANIFEST', 'BATCH_FIELDS', 'TrainConfig', 'Plan', 'plan', 'check_dat
            'measure_peak_flops', 'sync', 'keep_freed_memory', 'CheckpointError', 'write_checkpoint', 'temp_folder',
            'seal', 'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'load_model',
            'consolidated_weights', 'export_hf', 'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files',
-           'capture_state', 'save_sharded', 'read_tensors', 'restore_state', 'parallelize', 'gradient_sync',
-           'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog', 'read_metrics',
-           'DropCounter', 'token_loader', 'train', 'step_batches', 'metrics_row', 'run_constants', 'save_checkpoint',
-           'main']
+           'capture_state', 'save_sharded', 'read_tensors', 'restore_state', 'agreed_checkpoint', 'parallelize',
+           'gradient_sync', 'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog',
+           'read_metrics', 'DropCounter', 'token_loader', 'train', 'step_batches', 'metrics_row', 'run_constants',
+           'save_checkpoint', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, Preset, load_preset, project_root, seed_everything, sha256_file, resolve_device
@@ -369,6 +369,14 @@ def restore_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
         torch.cuda.set_rng_state(rng[f"rank{rank}.cuda"])
     return meta["step"]
 
+# %% ../../../nbs/11_train.ipynb #51250993
+def agreed_checkpoint(root: Path) -> Path | None:
+    "The newest checkpoint that verifies, chosen by rank 0 and broadcast, so each file is hashed once, not once per rank."
+    found = [None if dist.is_initialized() and dist.get_rank() != 0 else latest_valid_checkpoint(root)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found)
+    return found[0]
+
 # %% ../../../nbs/11_train.ipynb #1015bb16
 def parallelize(model: nn.Module, train: TrainConfig, accelerator) -> nn.Module:
     "Several processes: DDP through accelerate, or FSDP2 — `fully_shard` on every block, then on the root."
@@ -522,7 +530,7 @@ def train(preset: Preset | str, out_dir: str | os.PathLike | None = None, max_st
     drops = DropCounter(goldfish) if goldfish else None
     loader = loader_factory(pl, accelerator.process_index, accelerator.num_processes, drops)
     step = 0
-    if resume and (found := latest_valid_checkpoint(out / "checkpoints")) is not None:
+    if resume and (found := agreed_checkpoint(out / "checkpoints")) is not None:
         step = restore_state(found, model, optimizer, loader)
     out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out / "metrics.jsonl", step, cfg.tensorboard) if accelerator.is_main_process else None
