@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,15 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(tmp_path, cap
     assert resumed == reference
 
 
+def test_single_process_sharded_checkpoint_resumes_bit_for_bit(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2, checkpoint_format="sharded")
+    reference = losses(run(preset, tmp_path / "run", 4))
+    ckpts = checkpoints(tmp_path / "run" / "checkpoints")
+    assert [(p / "dcp" / ".metadata").is_file() and not (p / "model.safetensors").exists() for p in ckpts] == [True, True]
+    shutil.rmtree(ckpts[-1])                                   # back to step 2
+    assert losses(run(preset, tmp_path / "run", 4, resume=True)) == reference
+
+
 def test_interrupted_checkpoint_write_is_never_loaded(tmp_path):
     write_checkpoint(tmp_path, 1, {"state.json": {"step": 1}})
     partial = tmp_path / "step-00000002"                     # a folder without its manifest, as a crash leaves
@@ -225,6 +235,12 @@ def test_budget_smaller_than_one_batch_fails_before_compute(tmp_path, monkeypatc
     path.write_text(yaml.safe_dump(preset))
     with pytest.raises(ConfigError, match="curriculum 'small' has 64 tokens, fewer than one batch"):
         run(path, tmp_path / "run", 2)
+
+
+def test_unknown_checkpoint_format_fails_before_compute_naming_the_choices(tmp_path, monkeypatch):
+    no_compute(monkeypatch)
+    with pytest.raises(ConfigError, match=r"train.checkpoint_format: 'dcp' is not auto \| full \| sharded"):
+        run(write_preset(tmp_path, checkpoint_format="dcp"), tmp_path / "run", 2)
 
 
 def test_cli_reports_a_bad_preset_in_one_line_and_exits_2(tmp_path, capsys):

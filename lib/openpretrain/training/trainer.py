@@ -22,12 +22,24 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+# %% auto #0
+__all__ = ['MANIFEST', 'BATCH_FIELDS', 'TrainConfig', 'Plan', 'plan', 'check_data_budget', 'train_flops_per_token',
+           'measure_peak_flops', 'sync', 'keep_freed_memory', 'CheckpointError', 'write_checkpoint', 'temp_folder',
+           'seal', 'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'load_model',
+           'consolidated_weights', 'export_hf', 'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files',
+           'capture_state', 'save_sharded', 'read_tensors', 'restore_state', 'agreed_checkpoint', 'parallelize',
+           'gradient_sync', 'device_of', 'all_sum', 'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog',
+           'read_metrics', 'DropCounter', 'token_loader', 'train', 'step_batches', 'metrics_row', 'run_constants',
+           'save_checkpoint', 'main']
+
+# %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, Preset, load_preset, project_root, seed_everything, sha256_file, resolve_device
 from ..models.common import param_counts
 from ..models.moe import update_expert_bias
@@ -42,14 +54,6 @@ from .optim import OptimConfig, Schedule, build_optimizer, build_schedule, clip_
 if TYPE_CHECKING:
     from openpretrain.models.hybrid import HybridConfig
 
-# %% auto #0
-__all__ = ['MANIFEST', 'BATCH_FIELDS', 'TrainConfig', 'Plan', 'plan', 'check_data_budget', 'train_flops_per_token',
-           'measure_peak_flops', 'sync', 'keep_freed_memory', 'CheckpointError', 'write_checkpoint',
-           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'load_model',
-           'export_hf', 'capture_state', 'restore_state', 'parallelize', 'gradient_sync', 'device_of', 'all_sum',
-           'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'DropCounter', 'token_loader',
-           'train', 'step_batches', 'metrics_row', 'run_constants', 'save_checkpoint', 'main']
-
 # %% ../../../nbs/11_train.ipynb #107d5713
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -58,15 +62,16 @@ class TrainConfig:
     parallel: str = "fsdp2"          # ddp | fsdp2 (torch fully_shard) across processes (Soofi S: DP + EP 8 + sharded optimizer)
     compile: bool = False            # torch.compile each block (chapter 11 measures where it pays)
     checkpoint_every: int = 1000     # optimizer steps between checkpoints (not published)
+    checkpoint_format: str = "auto"  # full (rank 0 gathers) | sharded (each rank its DCP shard) | auto: sharded under FSDP2, >1 process
     keep_last: int = 3               # rolling checkpoints kept besides the milestones
     milestones: list[int] = field(default_factory=list)  # steps whose checkpoints are never pruned
     tensorboard: bool = True         # TensorBoard scalars beside metrics.jsonl
 
     def __post_init__(self):
-        if self.precision not in ("bf16", "fp32"):
-            raise ConfigError(f"train.precision: '{self.precision}' is not bf16 | fp32")
-        if self.parallel not in ("ddp", "fsdp2"):
-            raise ConfigError(f"train.parallel: '{self.parallel}' is not ddp | fsdp2")
+        for knob, allowed in (("precision", ("bf16", "fp32")), ("parallel", ("ddp", "fsdp2")),
+                              ("checkpoint_format", ("auto", "full", "sharded"))):
+            if getattr(self, knob) not in allowed:
+                raise ConfigError(f"train.{knob}: '{getattr(self, knob)}' is not {' | '.join(allowed)}")
         for knob in ("micro_batch", "checkpoint_every", "keep_last"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"train.{knob} must be ≥ 1, got {getattr(self, knob)}")
@@ -164,28 +169,38 @@ class CheckpointError(RuntimeError):
 
 MANIFEST = "manifest.json"
 
-def write_checkpoint(root: Path, step: int, files: dict[str, dict[str, Tensor] | dict]) -> Path:
-    "Write `files` (name.safetensors → tensors, name.json → JSON) as `root/step-NNNNNNNN` atomically, with a sha256 manifest."
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def write_checkpoint(root: Path, step: int, files: dict[str, dict[str, Tensor] | dict], tmp: Path | None = None) -> Path:
+    "Write `files` (name.safetensors → tensors, name.json → JSON) into `tmp` (fresh if None), then seal it as `root/step-NNNNNNNN`."
+    tmp = tmp or temp_folder(root, step)
     for name, content in files.items():
         if name.endswith(".safetensors"):
             save_file({k: v.contiguous() for k, v in content.items()}, str(tmp / name))
         else:
             (tmp / name).write_text(json.dumps(content, indent=1))
         _fsync(tmp / name)
-    (tmp / MANIFEST).write_text(json.dumps({n: sha256_file(tmp / n) for n in sorted(files)}, indent=1))
-    _fsync(tmp / MANIFEST)
-    _fsync(tmp)
-    if final.exists():        # a rerun of the same step replaces it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync(root)
-    return final
+    return seal(tmp, root / f"step-{step:08d}")
+
+def temp_folder(root: Path, step: int) -> Path:
+    "An empty temporary folder for `step`'s checkpoint; one a crash left behind is pruned later."
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 # %% ../../../nbs/11_train.ipynb #1cd75497
+def seal(tmp: Path, final: Path) -> Path:
+    "Record the sha256 of every file under `tmp` in its manifest, fsync, and rename `tmp` to `final` (a rerun's is replaced)."
+    names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    (tmp / MANIFEST).write_text(json.dumps({n: sha256_file(tmp / n) for n in names}, indent=1))
+    _fsync(tmp / MANIFEST)
+    for folder in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+        _fsync(folder)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    return final
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -234,12 +249,20 @@ def prune_checkpoints(root: Path, keep_last: int, milestones: list[int]) -> None
 
 # %% ../../../nbs/11_train.ipynb #6c9f1a0c
 def load_model(preset: Preset | str, checkpoint: str | os.PathLike) -> nn.Module:
-    "The preset's model (fp32, CPU) holding a verified checkpoint's weights."
+    "The preset's model (fp32, CPU) holding a verified checkpoint's weights, full or sharded."
     p = preset if isinstance(preset, Preset) else load_preset(preset)
     verify_checkpoint(Path(checkpoint))
     model = build_model(model_config(p), device="cpu")
-    model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=True)
+    model.load_state_dict(consolidated_weights(model, Path(checkpoint)), strict=True)
     return model
+
+def consolidated_weights(model: nn.Module, checkpoint: Path) -> dict[str, Tensor]:
+    "A checkpoint's full weights for `model` (plain, CPU): its model.safetensors, or every rank's DCP shards, in one process."
+    if not (checkpoint / "dcp").is_dir():
+        return load_file(str(checkpoint / "model.safetensors"))
+    state = {"model": model.state_dict()}              # plain tensors to fill from every rank's shards
+    dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
+    return state["model"]
 
 def export_hf(preset: Preset | str, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     "Save a checkpoint as a transformers model folder (`from_pretrained` loads it)."
@@ -247,54 +270,112 @@ def export_hf(preset: Preset | str, checkpoint: str | os.PathLike, out_dir: str 
     return Path(out_dir)
 
 # %% ../../../nbs/11_train.ipynb #a2f49207
-def _full() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def checkpoint_format(train: TrainConfig, world_size: int) -> str:
+    "full | sharded: `train.checkpoint_format` for a run of `world_size` processes (auto: sharded only under multi-process FSDP2)."
+    if train.checkpoint_format != "auto":
+        return train.checkpoint_format
+    return "sharded" if train.parallel == "fsdp2" and world_size > 1 else "full"
 
-def capture_state(model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> dict | None:
-    "Checkpoint files for a resume — weights, optimizer tensors + JSON, every rank's loader and RNG state — on rank 0 (None elsewhere)."
-    weights = get_model_state_dict(model, options=_full())              # collectives under DDP/FSDP2: every rank calls
-    optim = get_optimizer_state_dict(model, optimizer, options=_full())
-    rank_state = {"loader": loader.state_dict(), "rng": torch.get_rng_state(),
-                  "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    ranks = [rank_state]
-    if dist.is_initialized():
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, rank_state)
-        if dist.get_rank() != 0:
-            return None
+def _options(full: bool) -> StateDictOptions:
+    "full: unsharded tensors gathered to CPU (rank 0 keeps them); sharded: each rank's own shards, where they live."
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+# %% ../../../nbs/11_train.ipynb #d4e02e4a
+def split_optimizer(optim: dict) -> tuple[dict[str, Tensor], dict]:
+    "An optimizer state dict as tensors keyed `fqn::key` and JSON (the other values and the param groups)."
     tensors, scalars = {}, {}
     for fqn, state in optim["state"].items():
         for key, value in state.items():
             (tensors if isinstance(value, Tensor) else scalars)[f"{fqn}::{key}"] = value
+    return tensors, {"scalars": scalars, "param_groups": optim["param_groups"]}
+
+def join_optimizer(tensors: dict[str, Tensor], meta: dict) -> dict:
+    "The optimizer state dict `split_optimizer` split."
+    state: dict[str, dict] = {}
+    for key, value in [*tensors.items(), *meta["scalars"].items()]:
+        fqn, name = key.split("::")
+        state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+# %% ../../../nbs/11_train.ipynb #f38cfd1a
+def run_files(loader, step: int) -> dict | None:
+    "rng.safetensors and state.json (step, every rank's loader position; the optimizer JSON is added last) on rank 0, None elsewhere."
+    mine = {"loader": loader.state_dict(), "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return None
     rng = {f"rank{r}": s["rng"] for r, s in enumerate(ranks)}
     rng |= {f"rank{r}.cuda": s["cuda_rng"] for r, s in enumerate(ranks) if s["cuda_rng"] is not None}
-    return {"model.safetensors": weights, "optimizer.safetensors": tensors, "rng.safetensors": rng,
-            "state.json": {"step": step, "world_size": len(ranks),
-                           "loader": [s["loader"] for s in ranks],
-                           "optimizer": {"scalars": scalars, "param_groups": optim["param_groups"]}}}
+    return {"rng.safetensors": rng,
+            "state.json": {"step": step, "world_size": len(ranks), "loader": [s["loader"] for s in ranks]}}
+
+# %% ../../../nbs/11_train.ipynb #a979c54e
+def capture_state(model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> dict | None:
+    "Full-format checkpoint files — gathered weights, optimizer tensors + JSON, loader and RNG states — on rank 0 (None elsewhere)."
+    weights = get_model_state_dict(model, options=_options(full=True))      # collectives under DDP/FSDP2: every rank calls
+    optim = get_optimizer_state_dict(model, optimizer, options=_options(full=True))   # empty except on rank 0
+    if (files := run_files(loader, step)) is None:
+        return None
+    tensors, optimizer_json = split_optimizer(optim)
+    files["state.json"]["optimizer"] = optimizer_json
+    return {"model.safetensors": weights, "optimizer.safetensors": tensors, **files}
+
+# %% ../../../nbs/11_train.ipynb #7b73faab
+def save_sharded(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> Path | None:
+    "Sharded format: every rank writes its DCP shard of weights and optimizer tensors, rank 0 the rest and seals (its path; None elsewhere)."
+    weights = get_model_state_dict(model, options=_options(full=False))    # this rank's shards: nothing is gathered
+    tensors, optimizer_json = split_optimizer(get_optimizer_state_dict(model, optimizer, options=_options(full=False)))
+    files = run_files(loader, step)
+    tmp = [str(temp_folder(root, step)) if files is not None else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(tmp)                                    # rank 0's folder, for every rank
+    dcp.save({"model": weights, "optimizer": tensors}, storage_writer=dcp.FileSystemWriter(Path(tmp[0]) / "dcp"))
+    if files is None:
+        return None
+    files["state.json"]["optimizer"] = optimizer_json
+    return write_checkpoint(root, step, files, tmp=Path(tmp[0]))
+
+# %% ../../../nbs/11_train.ipynb #dbc43e82
+def read_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[StateDictOptions, dict, dict]:
+    "A checkpoint's weights and optimizer tensors: the full safetensors, or this rank's shards read by DCP."
+    if not (path / "dcp").is_dir():
+        return (_options(full=True), load_file(str(path / "model.safetensors")),
+                load_file(str(path / "optimizer.safetensors")))
+    options = _options(full=False)
+    state = {"model": get_model_state_dict(model, options=options),        # this rank's shapes and shards, to fill
+             "optimizer": split_optimizer(get_optimizer_state_dict(model, optimizer, options=options))[0]}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path / "dcp"))
+    return options, state["model"], state["optimizer"]
 
 # %% ../../../nbs/11_train.ipynb #06e2778c
 def restore_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader) -> int:
-    "Load a verified checkpoint into this rank's model, optimizer, loader and RNG; returns its step."
+    "Load a verified checkpoint (either format) into this rank's model, optimizer, loader and RNG; returns its step."
     meta = json.loads((path / "state.json").read_text())
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if meta["world_size"] != world:
         raise CheckpointError(f"{path} was written by {meta['world_size']} processes, this run has {world}; "
                               "the loader state is per process")
-    set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=_full())
-    state: dict[str, dict] = {}
-    for key, value in [*load_file(str(path / "optimizer.safetensors")).items(),
-                       *meta["optimizer"]["scalars"].items()]:
-        fqn, name = key.split("::")
-        state.setdefault(fqn, {})[name] = value
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["optimizer"]["param_groups"]},
-                             options=_full())
+    options, weights, tensors = read_tensors(path, model, optimizer)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, join_optimizer(tensors, meta["optimizer"]), options=options)
     loader.load_state_dict(meta["loader"][rank])
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng[f"rank{rank}"])
     if f"rank{rank}.cuda" in rng:
         torch.cuda.set_rng_state(rng[f"rank{rank}.cuda"])
     return meta["step"]
+
+# %% ../../../nbs/11_train.ipynb #51250993
+def agreed_checkpoint(root: Path) -> Path | None:
+    "The newest checkpoint that verifies, chosen by rank 0 and broadcast, so each file is hashed once, not once per rank."
+    found = [None if dist.is_initialized() and dist.get_rank() != 0 else latest_valid_checkpoint(root)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found)
+    return found[0]
 
 # %% ../../../nbs/11_train.ipynb #1015bb16
 def parallelize(model: nn.Module, train: TrainConfig, accelerator) -> nn.Module:
@@ -329,10 +410,11 @@ def all_sum(x: Tensor) -> Tensor:
         dist.all_reduce(x)
     return x
 
-# %% ../../../nbs/11_train.ipynb #39263d61
+# %% ../../../nbs/11_train.ipynb #b03e7fac
 class NonFiniteError(FloatingPointError):
     "A NaN or infinite loss or gradient norm: the run stops before the optimizer touches the weights."
 
+# %% ../../../nbs/11_train.ipynb #39263d61
 def train_step(model: nn.Module, optimizer, batches: list, max_norm: float | None, accelerator) -> dict:
     "One optimizer step over this process's micro-batches; the loss is the mean over every kept target of the global batch."
     world, device = accelerator.num_processes, device_of(accelerator)
@@ -448,7 +530,7 @@ def train(preset: Preset | str, out_dir: str | os.PathLike | None = None, max_st
     drops = DropCounter(goldfish) if goldfish else None
     loader = loader_factory(pl, accelerator.process_index, accelerator.num_processes, drops)
     step = 0
-    if resume and (found := latest_valid_checkpoint(out / "checkpoints")) is not None:
+    if resume and (found := agreed_checkpoint(out / "checkpoints")) is not None:
         step = restore_state(found, model, optimizer, loader)
     out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out / "metrics.jsonl", step, cfg.tensorboard) if accelerator.is_main_process else None
@@ -524,9 +606,12 @@ def _loop(pl: Plan, model, optimizer, loader, drops, accelerator, step: int, log
 
 # %% ../../../nbs/11_train.ipynb #85fccb2e
 def save_checkpoint(root: Path, model, optimizer, loader, step: int, cfg: TrainConfig, accelerator) -> None:
-    "Every rank contributes its state; rank 0 writes, verifies nothing is half-written, and prunes old checkpoints."
-    if (files := capture_state(model, optimizer, loader, step)) is not None:
+    "Every rank contributes its state in the run's checkpoint format; rank 0 seals the folder and prunes old checkpoints."
+    if checkpoint_format(cfg, accelerator.num_processes) == "sharded":
+        save_sharded(root, model, optimizer, loader, step)
+    elif (files := capture_state(model, optimizer, loader, step)) is not None:
         write_checkpoint(root, step, files)
+    if accelerator.is_main_process:
         prune_checkpoints(root, cfg.keep_last, cfg.milestones)
     accelerator.wait_for_everyone()
 
