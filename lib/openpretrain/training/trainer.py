@@ -60,7 +60,7 @@ class TrainConfig:
     micro_batch: int = 1             # sequences per device and forward; the rest of optim.batch_size is accumulated (Soofi S: 2)
     precision: str = "bf16"          # bf16 autocast over fp32 weights | fp32 (Soofi S: bf16 mixed precision); CPUs run fp32
     parallel: str = "fsdp2"          # ddp | fsdp2 (torch fully_shard) across processes (Soofi S: DP + EP 8 + sharded optimizer)
-    compile: bool = False            # torch.compile each block (chapter 11 measures where it pays)
+    compile: bool = False            # torch.compile each block (bench_dense/bench_hybrid --compile measure where it pays)
     checkpoint_every: int = 1000     # optimizer steps between checkpoints (not published)
     checkpoint_format: str = "auto"  # full (rank 0 gathers) | sharded (each rank its DCP shard) | auto: sharded under FSDP2, >1 process
     keep_last: int = 3               # rolling checkpoints kept besides the milestones
