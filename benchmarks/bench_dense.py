@@ -39,7 +39,7 @@ def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, b
     ref = to_hf(eager)
     ref.config.use_cache = False
     ids = torch.randint(0, vocab, (batch, seq + 1))
-    sides = {"ours (eager)": (eager, eager.parameters), "transformers": (lambda x: ref(x).logits, ref.parameters)}
+    sides = {"ours": (eager, eager.parameters), "transformers": (lambda x: ref(x).logits, ref.parameters)}
     if compile:
         fused = build(config, compile=True)
         fused.load_state_dict(eager.state_dict())

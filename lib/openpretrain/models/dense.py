@@ -275,7 +275,7 @@ def build(config: DenseConfig, device: str | torch.device = "cpu", dtype: torch.
     materialize(model, device, model.init_weights)
     if compile:
         for block in model.layers:
-            block.compile()
+            block.compile(dynamic=False)   # training rows have one shape: compiled once for it
     return model
 
 # %% ../../../nbs/06_dense.ipynb #1b052213

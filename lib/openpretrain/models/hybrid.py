@@ -191,7 +191,7 @@ def build(config: HybridConfig, device: str | torch.device = "cpu", dtype: torch
     if compile:
         for block in model.layers:
             if block.kind != "E":   # the expert dispatch has data-dependent shapes: MoE layers stay eager
-                block.compile()
+                block.compile(dynamic=False)   # one shape per run; torch 2.13's dynamic-shape path fails on the Mamba blocks
     return model
 
 # %% ../../../nbs/07_hybrid.ipynb #cbbe2bba
