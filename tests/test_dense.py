@@ -151,16 +151,34 @@ def test_cpu_xielu_runs_the_compiled_formula_and_equals_it_up_to_rounding():
     ap, an = (torch.tensor([v], requires_grad=True) for v in (0.3, -0.7))
     dy = torch.randn_like(x)
     ours, ref = xielu(x, ap, an), xielu_reference(x, ap, an)
-    assert ours.grad_fn.name().startswith("CompiledFunction")  # inductor's loop, not the eager ops
+    assert ran_compiled(ours)  # inductor's loop, not the eager ops
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
     for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)   # a_p, a_n: sums over 15,024 elements
 
 
+def ran_compiled(y: torch.Tensor) -> bool:
+    "Whether y came out of a compiled graph (viewed back to its input's shape)."
+    return any(f is not None and f.name().startswith("CompiledFunction") for f, _ in y.grad_fn.next_functions)
+
+
+def test_cpu_xielu_trains_every_shape_compiled_and_infers_eagerly():
+    ap, an = (torch.tensor([v], requires_grad=True) for v in (0.3, -0.7))   # more shapes than dynamo's limit of 8:
+    shapes = [(4097,), (5000, 1), (1, 64, 97), (2, 32, 96), (2, 1, 4100), (1, 1, 3, 2000), (9000,), (3, 40, 50),
+              (8, 256, 3), (2, 2, 2, 1100)]                                   # ranks 1-4, sizes of 1
+    for shape in shapes:
+        for mode in (torch.no_grad, torch.inference_mode):
+            x = torch.randn(shape)
+            with mode():
+                assert torch.equal(xielu(x, ap, an), xielu_reference(x, ap, an))   # xielu_eager: bit for bit
+        assert ran_compiled(xielu(torch.randn(shape, requires_grad=True), ap, an))
+    assert not ran_compiled(xielu(torch.randn(64, 64, requires_grad=True), ap, an))   # 4,096 values: eager
+
+
 def test_without_a_cxx_compiler_cpu_xielu_falls_back_to_eager_and_says_why():
     code = ("import logging, torch\nlogging.basicConfig(level=logging.INFO, format='%(message)s')\n"
             "from openpretrain.models.dense import xielu\n"
-            "ys = [xielu(torch.randn(8, requires_grad=True), torch.zeros(1), torch.zeros(1)) for _ in range(2)]\n"
+            "ys = [xielu(torch.randn(5000, requires_grad=True), torch.zeros(1), torch.zeros(1)) for _ in range(2)]\n"
             "print(ys[0].grad_fn.name())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CXX": "no-such-compiler"})

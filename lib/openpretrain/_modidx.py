@@ -742,6 +742,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                            'openpretrain.models.dense._fused_xielu': ( 'dense.html#_fused_xielu',
                                                                                        'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense._hf_name': ('dense.html#_hf_name', 'openpretrain/models/dense.py'),
+                                           'openpretrain.models.dense._trains_fp32': ( 'dense.html#_trains_fp32',
+                                                                                       'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense.build': ('dense.html#build', 'openpretrain/models/dense.py'),
                                            'openpretrain.models.dense.check_dense_config': ( 'dense.html#check_dense_config',
                                                                                              'openpretrain/models/dense.py'),
