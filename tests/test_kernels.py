@@ -24,6 +24,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    "Run `code` in a fresh interpreter (its own import-time choices) with `env` added; fails the test on a crash."
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def inputs(dtype) -> torch.Tensor:
     "Wide spread, both sides of 0 and ε, far tails, and a length that is not a multiple of BLOCK."
     torch.manual_seed(0)
@@ -79,10 +87,7 @@ def test_library_imports_and_runs_without_triton():
             "import torch\nfrom openpretrain.models.dense import XIELU, build, DenseConfig\n"
             "m = build(DenseConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=64))\n"
             "print(m(torch.randint(0, 50, (1, 4))).shape)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr
-    assert "torch.Size([1, 4, 50])" in out.stdout
+    assert "torch.Size([1, 4, 50])" in run_python(code, CUDA_VISIBLE_DEVICES="").stdout
 
 
 def test_fallback_is_explicit_and_logged_with_its_reason():
@@ -90,9 +95,19 @@ def test_fallback_is_explicit_and_logged_with_its_reason():
             "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
             "from openpretrain.models.dense import _fused_xielu\n"
             "assert _fused_xielu() is None and _fused_xielu() is None")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.count("xIELU on CUDA: xielu_eager (PyTorch ops, hand-written backward), triton is not installed") == 1  # logged once
+    assert run_python(code).stderr.count(
+        "xIELU on CUDA: xielu_eager (PyTorch ops, hand-written backward), triton is not installed") == 1  # logged once
+
+
+def test_without_a_cxx_compiler_cpu_xielu_falls_back_to_eager_and_says_why():
+    code = ("import logging, torch\nlogging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "from openpretrain.models.dense import xielu\n"
+            "ys = [xielu(torch.randn(5000, requires_grad=True), torch.zeros(1), torch.zeros(1)) for _ in range(2)]\n"
+            "print(ys[0].grad_fn.name())")
+    out = run_python(code, CXX="no-such-compiler")
+    assert out.stdout.strip() == "_XIELUEagerBackward"
+    assert out.stderr.count("xIELU on CPU: xielu_eager (PyTorch ops, hand-written backward), "
+                            "no C++ compiler 'no-such-compiler' for inductor") == 1   # logged once
 
 
 def test_kernels_install_under_a_name_that_shadows_no_other_distribution():
