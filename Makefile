@@ -41,7 +41,9 @@ test: venv
 	OPENPRETRAIN_OUTPUTS=$$(mktemp -d) OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers 2 --timing --cell-timing-min 5
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --durations=10
 
+# The slow robots test compares with protego 0.6 itself: its wheel is fetched once (from the package registry).
 test-slow: venv
+	test -f .cache/wheels/protego-0.6.2-py3-none-any.whl || $(BIN)/pip download -q protego==0.6.2 --no-deps -d .cache/wheels
 	OPENPRETRAIN_OUTPUTS=$$(mktemp -d) $(BIN)/nbdev-test --flags slow --n-workers 2
 	$(BIN)/pytest -q -m slow
 
