@@ -15,10 +15,10 @@ import time
 import torch
 
 from openpretrain.core import load_preset
-from openpretrain.models.dense import DenseConfig, build
-from openpretrain.tokenization import TokenizerConfig, load_tokenizer
-from openpretrain.training.data import TokenLoader
+from openpretrain.models.registry import build_model
+from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.goldfish import STRATEGIES, GoldfishConfig, canonical_vocab, goldfish_mask
+from openpretrain.training.plan import plan, token_loader
 from train_step import step_time
 
 
@@ -32,10 +32,12 @@ def mask_time(labels: torch.Tensor, config: GoldfishConfig, strategy: str, vocab
 def main(reps: int = 7, batch: int = 8, preset: str = "tiny"):
     torch.manual_seed(0)
     p = load_preset(preset)
-    model = build(p.section("model", DenseConfig))
-    config = p.section("goldfish", GoldfishConfig)
-    vocab = canonical_vocab(load_tokenizer(p.section("tokenizer", TokenizerConfig)))
-    b = TokenLoader.from_preset(preset, micro_batch=batch).next_batch()
+    p.raw["train"].update(micro_batch=batch)                        # one micro-batch of `batch` rows per step
+    p.raw["optim"].update(batch_size=batch, batch_increase_at=[], batch_increase_to=[])
+    pl = plan(p)
+    model, config, tok = build_model(pl.model), pl.goldfish, load_tokenizer(pl.tokenizer)
+    vocab = canonical_vocab(tok)
+    b = token_loader(pl, tok).next_batch()
     ids = torch.cat([b.input_ids, b.labels[:, -1:]], 1)  # (B, L+1): step_time shifts it into inputs and labels
     steps, masks = [], {s: [] for s in STRATEGIES}
     for rep in range(reps + 1):  # rep 0 is the warm-up

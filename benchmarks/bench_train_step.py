@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import torch
 
 from openpretrain.core import load_preset, seed_everything
-from openpretrain.models.registry import build_model, model_config
-from openpretrain.training.data import TokenLoader
-from openpretrain.training.optim import OptimConfig, build_optimizer
-from openpretrain.training.trainer import BATCH_FIELDS, keep_freed_memory, train_step
+from openpretrain.models.registry import build_model
+from openpretrain.tokenization import load_tokenizer
+from openpretrain.training.optim import build_optimizer
+from openpretrain.training.plan import plan, token_loader
+from openpretrain.training.trainer import PRETRAINING, Run, keep_freed_memory, train_step
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 ARM = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=336)   # chapter 11a's SIZE
@@ -40,18 +41,19 @@ def main(reps: int = 7, threads: int = 1, preset: str = "tiny"):
     torch.set_num_threads(threads)
     p = load_preset(preset)
     p.raw["model"].update(ARM)
+    p.raw["train"].update(micro_batch=8)
+    pl = plan(p)
     seed_everything(0)
-    model = build_model(model_config(p))
-    optimizer = build_optimizer(model, p.section("optim", OptimConfig))
-    b = TokenLoader.from_preset(preset, micro_batch=8).next_batch()
-    batches = [SimpleNamespace(**{f: getattr(b, f) for f in BATCH_FIELDS})]
+    model = build_model(pl.model)
+    batches = [token_loader(pl, load_tokenizer(pl.tokenizer)).next_batch()]
     cpu = SimpleNamespace(num_processes=1, device=torch.device("cpu"), autocast=contextlib.nullcontext,
                           backward=lambda loss: loss.backward())
+    run = Run(pl, model, build_optimizer(model, pl.optim), None, cpu, None)
 
     def step() -> tuple[float, float]:
         "Wall and CPU seconds (this process, user + system) of one step: on a shared machine CPU time is the steadier."
         t, c = time.perf_counter(), time.process_time()
-        train_step(model, optimizer, batches, 1.0, cpu)
+        train_step(run, batches, PRETRAINING)
         return time.perf_counter() - t, time.process_time() - c
 
     times = {"glibc default": [], "keep_freed_memory": []}

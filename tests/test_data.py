@@ -11,8 +11,9 @@ import torch
 from openpretrain.core import ConfigError, configs_dir, from_dict
 from openpretrain.corpus import load_embedded
 from openpretrain.tokenization import load_tokenizer
-from openpretrain.training.data import (Curriculum, CurriculumExhausted, TokenLoader, accounting_table,
-                                        load_curriculum, pack_rows, row_counts, validate)
+from openpretrain.training.curriculum import Curriculum, load_curriculum, validate
+from openpretrain.training.data import CurriculumExhausted, TokenLoader, accounting_table, pack_rows, row_counts
+from openpretrain.training.plan import plan, token_loader
 
 MB = 16
 
@@ -26,21 +27,25 @@ def tiny_embedded() -> str:
     return str(path)
 
 
-TINY = tiny_embedded()
+TINY = plan(tiny_embedded())
+TOKENIZER = load_tokenizer(TINY.tokenizer)
 
 
 @pytest.fixture(scope="module")
 def loader():
-    return TokenLoader.from_preset(TINY, micro_batch=MB)
+    return fresh()
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer("bpe-bal-8k")
+    return TOKENIZER
 
 
-def fresh(**kw):
-    return TokenLoader.from_preset(TINY, **{"micro_batch": MB, **kw})
+def fresh(micro_batch: int = MB, rank: int = 0, world_size: int = 1, label_mask=None) -> TokenLoader:
+    "A new loader over the tiny plan (the plan's loader with another micro-batch)."
+    from dataclasses import replace
+    return token_loader(replace(TINY, train=replace(TINY.train, micro_batch=micro_batch)), TOKENIZER, rank, world_size,
+                        label_mask)
 
 
 def test_unknown_key_is_named():
@@ -228,7 +233,8 @@ def test_compliance_kept_jsonl_is_tokenized_by_source(tmp_path, tok):
     from datatrove.data import Document
     from datatrove.pipeline.writers import JsonlWriter
     from openpretrain.tokenization import TokenizerConfig
-    from openpretrain.training.data import DataConfig, SourceSpec, StageSpec, TokenPool, tokenize_curriculum
+    from openpretrain.training.curriculum import SourceSpec, StageSpec
+    from openpretrain.training.data import DataConfig, TokenPool, tokenize_curriculum
     docs = [Document(text=f"Allegra {i}! Quai è in text rumantsch.", id=f"rm{i}",
                      metadata={"source": "firefox-esr-l10n-rm", "language": "roh"}) for i in range(5)]
     docs += [Document(text="Hello there.", id="en0", metadata={"source": "fortunes", "language": "eng"})]

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from openpretrain.core import ConfigError, configs_dir
-from openpretrain.training.data import load_curriculum, run_stages, validate
-from openpretrain.training.trainer import plan
+from openpretrain.training.curriculum import load_curriculum, run_stages, validate
+from openpretrain.training.plan import plan
 
 PER_ITERATION = 3072 * 8192                                   # Soofi §2.1: global batch 3,072 × 8,192 tokens
 TABLE_2_8K = 254 + 794_474 + 198_682 + 62_590 + 11_920        # warm-up, stable, decay, constant, final annealing

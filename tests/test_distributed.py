@@ -10,7 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from openpretrain.training.trainer import CheckpointError, load_model, read_metrics, verify_checkpoint
+from openpretrain.core import load_preset
+from openpretrain.models.registry import model_config
+from openpretrain.training.checkpoint import CheckpointError, load_model, verify_checkpoint
+from openpretrain.training.trainer import read_metrics
 from test_trainer import TESTS, losses, run, worker_script, write_preset
 
 
@@ -79,14 +82,19 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 from test_trainer import SyntheticLoader
-from openpretrain.training import trainer
+from pathlib import Path
+from openpretrain.models.registry import build_model
+from openpretrain.training.checkpoint import checkpoints, restore_state
+from openpretrain.training.optim import build_optimizer
+from openpretrain.training.plan import plan
+from openpretrain.training.trainer import parallelize, train_preset
 a = json.loads(sys.argv[1])
-trainer.train(a["preset"], a["out"], a["max_steps"], resume=True, loader_factory=SyntheticLoader)
+train_preset(a["preset"], a["out"], a["max_steps"], resume=True, loader_factory=SyntheticLoader)
 acc = Accelerator(cpu=True)                  # the process group train() started
-pl = trainer.plan(a["preset"], a["max_steps"], acc.num_processes)
-model = trainer.parallelize(trainer.build_model(pl.model, device="cpu"), pl.train, acc)   # a fresh FSDP2 model
-ckpt = trainer.checkpoints(trainer.Path(a["out"]) / "checkpoints")[-1]
-trainer.restore_state(ckpt, model, trainer.build_optimizer(model, pl.optim), SyntheticLoader(pl, acc.process_index, 2))
+pl = plan(a["preset"], a["max_steps"], acc.num_processes)
+model = parallelize(build_model(pl.model, device="cpu"), pl.train, acc)   # a fresh FSDP2 model
+ckpt = checkpoints(Path(a["out"]) / "checkpoints")[-1]
+restore_state(ckpt, model, build_optimizer(model, pl.optim), SyntheticLoader(pl, None, acc.process_index, 2))
 with torch.no_grad():
     logits = model(torch.tensor(a["probe"]))
 if acc.is_main_process:
@@ -133,6 +141,6 @@ def test_resume_from_sharded_checkpoint_reproduces_fsdp2_losses_bit_for_bit(shar
 
 def test_sharded_checkpoint_consolidates_into_one_process_with_the_fsdp2_logits(sharded_run):
     ckpt = sharded_run.out / "checkpoints" / "step-00000006"     # rewritten by the resumed run
-    model = load_model(sharded_run.preset, ckpt).eval()
+    model = load_model(model_config(load_preset(sharded_run.preset)), ckpt).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor(PROBE)), sharded_run.logits, rtol=1e-6, atol=1e-6)

@@ -150,8 +150,9 @@ def test_config_rejects_unknown_strategy_and_hook_is_none_when_off():
 
 
 def test_preset_loader_applies_the_goldfish_mask_front_loaded(tok):
-    from openpretrain.training.goldfish import loader_from_preset
-    b = loader_from_preset("tiny", micro_batch=8).next_batch()
+    from openpretrain.training.plan import plan, token_loader
+    pl = plan("tiny")
+    b = token_loader(pl, tok, label_mask=label_mask(pl.goldfish, tok)).next_batch()
     structural = (b.labels != tok.eos_id) & (b.input_ids != tok.eos_id)
     expected = structural & reference_loop(b.labels, 50, 50)  # tiny: k = h = 50, hash-table
     assert torch.equal(b.loss_mask, expected) and not expected.all()

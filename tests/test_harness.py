@@ -83,7 +83,7 @@ def test_local_tasks_run_offline_and_bits_per_byte_is_the_rolling_loss(tok, tmp_
 
 
 def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, capsys):
-    from openpretrain.training.trainer import write_checkpoint
+    from openpretrain.training.checkpoint import write_checkpoint
     model = _model("tiny-hybrid")
     ckpt = write_checkpoint(tmp_path / "checkpoints", 1, {"model.safetensors": model.state_dict()})
     out = tmp_path / "results.csv"
@@ -98,7 +98,7 @@ def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, 
 
 @pytest.fixture(scope="module")
 def trained():
-    return TrainedText.from_preset("tiny")
+    return TrainedText.from_preset(load_preset("tiny"))
 
 
 @pytest.fixture(scope="module")

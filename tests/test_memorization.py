@@ -17,8 +17,9 @@ from openpretrain.evaluation.memorization import (MemorizationConfig, assign_rep
                                                   probe_prompts, probe_row, probe_sightings, rouge_l, ttr,
                                                   write_probe_pool)
 from openpretrain.tokenization import load_tokenizer
-from openpretrain.training.data import load_curriculum, pack_rows
-from openpretrain.training.trainer import plan
+from openpretrain.training.curriculum import load_curriculum
+from openpretrain.training.data import pack_rows
+from openpretrain.training.plan import plan
 
 tokens = st.lists(st.integers(0, 5), max_size=40)  # a small alphabet: many ties and repeats
 
@@ -30,6 +31,7 @@ class Whitespace:
 
 
 SCORER = rouge_scorer.RougeScorer(["rougeL"], tokenizer=Whitespace())
+TOKENIZER = load_tokenizer("bpe-bal-8k")   # the tiny preset's
 
 
 def reference_rouge_l(generated, reference) -> float:
@@ -134,7 +136,7 @@ def probe_setup(tmp_path, copies_per_probe: dict[int, int], rows: int, extra_pro
     raw = copy.deepcopy(load_preset("tiny").raw)
     raw["data"].update(curriculum=str(tmp_path / "cur.yaml"), seq_len=L)
     raw["model"].update(max_seq_len=L)
-    raw["optim"].update(seq_len=L, batch_size=8, batch_increase_at=[], batch_increase_to=[])
+    raw["optim"].update(batch_size=8, batch_increase_at=[], batch_increase_to=[])
     raw["optim"]["schedule"] = dict(kind="wsd", unit="steps", warmup=1, total=rows // 8, decay=1)
     raw["train"].update(micro_batch=4)
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
@@ -146,11 +148,11 @@ def probe_setup(tmp_path, copies_per_probe: dict[int, int], rows: int, extra_pro
 def test_every_copy_is_served_exactly_as_often_as_injected_across_ranks(tmp_path):
     want = {0: 1, 3: 4, 7: 9}
     pl, keys = probe_setup(tmp_path, want, rows=96)
-    seen = pd.concat([probe_sightings(probe_loader(pl, r, 2, None, probe_dir=tmp_path), keys) for r in range(2)])
+    seen = pd.concat([probe_sightings(probe_loader(pl, TOKENIZER, r, 2, None, probe_dir=tmp_path), keys) for r in range(2)])
     assert seen.name.value_counts().to_dict() == {f"p{i}": n for i, n in want.items()}
 
 
 def test_a_curriculum_reading_the_copies_not_exactly_once_is_refused(tmp_path):
     pl, _ = probe_setup(tmp_path, {0: 2, 1: 3}, rows=64, extra_probe_rows=1)
     with pytest.raises(ConfigError, match="exactly once"):
-        probe_loader(pl, 0, 1, None, probe_dir=tmp_path)
+        probe_loader(pl, TOKENIZER, 0, 1, None, probe_dir=tmp_path)

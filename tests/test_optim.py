@@ -10,7 +10,7 @@ from torch import nn
 from openpretrain.core import ConfigError, load_preset
 from openpretrain.models.registry import build_model, model_config
 from openpretrain.training.optim import (AdEMAMix, OptimConfig, ScheduleConfig, StageConfig, alpha_at, beta3_at,
-                                         build_optimizer, build_schedule, clip_grad, param_groups)
+                                         Schedule, build_optimizer, clip_grad, param_groups)
 
 
 def transcribed_ademamix(params, grads, lr, betas, alpha, T, eps, wd):
@@ -163,11 +163,18 @@ def test_clip_grad_returns_pre_clip_norm_and_clips_to_max():
     assert torch.cat([ps[0].grad, ps[1].grad]).norm().item() == pytest.approx(0.1, rel=1e-5)
 
 
+def preset_schedule(name: str) -> Schedule:
+    "A preset's schedule at its data's sequence length (the one place a sequence length is set)."
+    from openpretrain.training.data import DataConfig
+    p = load_preset(name)
+    return Schedule(p.section("optim", OptimConfig), p.section("data", DataConfig).seq_len)
+
+
 def wsd(shape, **kw):
     sched = ScheduleConfig(kind="wsd", unit="steps", warmup=100, total=1000, decay=200, decay_shape=shape,
                            warmup_start=0.1, end=0.1, **kw)
-    return build_schedule(OptimConfig(lr=1.0, seq_len=8, batch_size=2, batch_increase_at=[], batch_increase_to=[],
-                                      schedule=sched))
+    return Schedule(OptimConfig(lr=1.0, batch_size=2, batch_increase_at=[], batch_increase_to=[], schedule=sched),
+                    seq_len=8)
 
 
 @pytest.mark.parametrize("shape", ["1-sqrt", "linear", "cosine"])
@@ -194,7 +201,7 @@ def test_one_minus_sqrt_decays_faster_than_linear_early():
 
 
 def test_soofi_schedule_hits_table_2_values():
-    s = build_schedule(load_preset("soofi-30b-a3b").section("optim", OptimConfig))
+    s = preset_schedule("soofi-30b-a3b")
     assert s.lr_at(0) == 0.0 and s.lr_at(254) == pytest.approx(1e-3)
     assert s.lr_at(794_728) == pytest.approx(1e-3)          # end of the plateau = decay start
     assert s.lr_at(993_410) == pytest.approx(1e-5)          # configured total after the main annealing
@@ -209,7 +216,7 @@ def test_soofi_schedule_hits_table_2_values():
 @pytest.mark.parametrize("preset,size,at,tokens_before,tokens_after", [
     ("apertus-8b", 1024, 7e12, 4_194_304, 8_388_608), ("apertus-70b", 2048, 4.4e12, 8_388_608, 16_777_216)])
 def test_apertus_batch_doubles_at_published_tokens_with_lr_unchanged(preset, size, at, tokens_before, tokens_after):
-    s = build_schedule(load_preset(preset).section("optim", OptimConfig))
+    s = preset_schedule(preset)
     first_big = next(st for st, _, b in s.phases if b == 2 * size)
     assert s.tokens_at(first_big - 1) < at <= s.tokens_at(first_big)
     assert s.batch_size_at(first_big - 1) * 4096 == tokens_before and s.batch_size_at(first_big) * 4096 == tokens_after
@@ -220,18 +227,15 @@ def test_apertus_batch_doubles_at_published_tokens_with_lr_unchanged(preset, siz
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "gpu-1", "apertus-8b", "apertus-70b", "soofi-30b-a3b"])
 def test_every_preset_optim_section_builds_a_schedule_that_ends(preset):
-    c = load_preset(preset).section("optim", OptimConfig)
-    s = build_schedule(c)
+    s = preset_schedule(preset)
     assert s.total_steps > 0 and s.lr_at(s.total_steps) <= s.lr_at(s.total_steps // 2)
 
 
 def test_bad_configs_fail_with_a_named_problem():
     with pytest.raises(ConfigError, match="exceed total"):
-        build_schedule(OptimConfig(schedule=ScheduleConfig(warmup=10, decay=10, total=15)))
+        Schedule(OptimConfig(schedule=ScheduleConfig(warmup=10, decay=10, total=15)), seq_len=4096)
     with pytest.raises(ConfigError, match="shape"):
-        build_schedule(OptimConfig(schedule=ScheduleConfig(kind="stages", stages=[StageConfig(length=3, shape="sqrt")])))
-    with pytest.raises(ConfigError, match="seq_len"):
-        build_schedule(OptimConfig(seq_len=4096), seq_len=2048)
+        Schedule(OptimConfig(schedule=ScheduleConfig(kind="stages", stages=[StageConfig(length=3, shape="sqrt")])), 4096)
     with pytest.raises(ConfigError, match="unknown optimiser"):
         build_optimizer(nn.Linear(2, 2), OptimConfig(name="sgd"))
     with pytest.raises(ValueError, match="three betas"):
@@ -240,7 +244,7 @@ def test_bad_configs_fail_with_a_named_problem():
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
 def test_tiny_schedules_consume_the_tiny_curriculum_and_decay_over_its_last_stage(preset):
-    s = build_schedule(load_preset(preset).section("optim", OptimConfig))
+    s = preset_schedule(preset)
     assert s.tokens_at(s.total_steps) == 524_288                 # the tiny curriculum: 2,048 rows of 256 tokens
     decay_start = s.total_steps - 32
     assert s.tokens_at(decay_start) == 393_216                   # its stage 2 (cooldown) starts here

@@ -1,5 +1,6 @@
 """The training loop: resume after SIGKILL, checkpoint integrity, NaN stops, preset errors before compute."""
 import json
+import math
 import os
 import random
 import shutil
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,17 +16,21 @@ import pytest
 import torch
 import yaml
 
-from openpretrain.core import ConfigError
+from openpretrain.core import ConfigError, load_preset
+from openpretrain.models import registry
+from openpretrain.models.registry import model_config
 from openpretrain.training import trainer
-from openpretrain.training.trainer import (CheckpointError, NonFiniteError, checkpoints, latest_valid_checkpoint, main,
-                                          plan, read_metrics, train, verify_checkpoint, write_checkpoint)
+from openpretrain.training.checkpoint import (CheckpointError, checkpoints, export_hf, latest_valid_checkpoint, load_model,
+                                              verify_checkpoint, write_checkpoint)
+from openpretrain.training.plan import plan
+from openpretrain.training.trainer import NonFiniteError, ZLoss, main, read_metrics, train_preset
 
 TESTS = Path(__file__).parent
 
 
 class SyntheticLoader:
     "Deterministic micro-batches: global micro-batch g = call·W + rank is a function of (seed, g) only."
-    def __init__(self, pl, rank, world_size, label_mask=None):
+    def __init__(self, pl, tokenizer, rank, world_size, label_mask=None):
         self.seed, self.rank, self.world, self.label_mask = pl.preset.seed, rank, world_size, label_mask
         self.rows, self.seq_len, self.vocab = pl.train.micro_batch, pl.data.seq_len, pl.model.vocab_size
         self.calls = 0
@@ -63,7 +69,7 @@ def write_preset(folder: Path, name: str = "t", arch: str = "dense", **train_ove
         "data": {"curriculum": "tiny", "seq_len": 32},
         "goldfish": {"k": 4, "h": 3},
         "optim": {"name": "ademamix", "lr": 3e-3, "betas": [0.9, 0.999, 0.999], "t_alpha": 20, "t_beta3": 20,
-                  "clip": 1.0, "seq_len": 32, "batch_size": 4, "batch_increase_at": [384], "batch_increase_to": [8],
+                  "clip": 1.0, "batch_size": 4, "batch_increase_at": [384], "batch_increase_to": [8],
                   "schedule": {"kind": "wsd", "unit": "steps", "warmup": 2, "total": 20, "decay": 4}},
         "train": {"micro_batch": 2, "precision": "fp32", "checkpoint_every": 2, "keep_last": 2,
                   "tensorboard": False, **train_overrides},
@@ -77,9 +83,9 @@ WORKER = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from test_trainer import SyntheticLoader
-from openpretrain.training.trainer import train
+from openpretrain.training.trainer import train_preset
 a = json.loads(sys.argv[1])
-train(a["preset"], a["out"], a.get("max_steps"), a.get("resume", False), loader_factory=SyntheticLoader)
+train_preset(a["preset"], a["out"], a.get("max_steps"), a.get("resume", False), loader_factory=SyntheticLoader)
 """
 
 
@@ -93,8 +99,8 @@ def losses(metrics) -> list[float]:
     return [row["loss"] for row in read_metrics(metrics)]
 
 
-def run(preset, out, max_steps, resume=False):
-    return train(preset, out, max_steps, resume, loader_factory=SyntheticLoader)
+def run(preset, out, max_steps, resume=False, **kw):
+    return train_preset(preset, out, max_steps, resume, loader_factory=SyntheticLoader, **kw)
 
 
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])
@@ -174,7 +180,7 @@ def test_hybrid_logs_expert_load(tmp_path):
 
 def poison(monkeypatch, at_call: int, where: str):
     "Make the model's `at_call`-th forward return NaN logits, or its gradients NaN."
-    build = trainer.build_model
+    build = registry.build_model
     def build_poisoned(*args, **kwargs):
         model, calls = build(*args, **kwargs), {"n": 0}
         def hook(module, inputs, output):
@@ -187,7 +193,7 @@ def poison(monkeypatch, at_call: int, where: str):
             return output
         model.register_forward_hook(hook)
         return model
-    monkeypatch.setattr(trainer, "build_model", build_poisoned)
+    monkeypatch.setattr(registry, "build_model", build_poisoned)
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
@@ -203,7 +209,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypa
 
 
 def no_compute(monkeypatch):
-    monkeypatch.setattr(trainer, "build_model", lambda *a, **k: pytest.fail("a model was built for a bad preset"))
+    monkeypatch.setattr(registry, "build_model", lambda *a, **k: pytest.fail("a model was built for a bad preset"))
 
 
 def test_unknown_train_key_fails_before_compute_naming_it(tmp_path, monkeypatch):
@@ -254,8 +260,9 @@ def test_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
     preset = write_preset(tmp_path)
     run(preset, tmp_path / "run", 2)
     ckpt = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
-    ours = trainer.load_model(preset, ckpt).eval()
-    hf = AutoModelForCausalLM.from_pretrained(trainer.export_hf(preset, ckpt, tmp_path / "hf")).eval()
+    config = model_config(load_preset(preset))
+    ours = load_model(config, ckpt).eval()
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(config, ckpt, tmp_path / "hf")).eval()
     ids = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)
@@ -268,7 +275,7 @@ from test_trainer import SyntheticLoader
 from openpretrain.training import trainer
 trainer.keep_freed_memory = lambda: False      # glibc's default: big blocks mmap-ed on alloc, unmapped on free
 a = json.loads(sys.argv[1])
-trainer.train(a["preset"], a["out"], a["max_steps"], loader_factory=SyntheticLoader)
+trainer.train_preset(a["preset"], a["out"], a["max_steps"], loader_factory=SyntheticLoader)
 """
 
 
@@ -289,3 +296,72 @@ def test_resume_keeps_metric_rows_through_its_step_and_drops_a_cut_line(tmp_path
     assert trainer.kept_rows(path, 2) == ['{"step": 1}\n', '{"step": 2}\n']
     assert trainer.kept_rows(path, 9) == ['{"step": 1}\n', '{"step": 2}\n', '{"step": 3}\n']
     assert trainer.kept_rows(tmp_path / "missing.jsonl", 9) == []
+
+
+def test_a_run_under_another_objective_resumes_bit_for_bit(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    reference = losses(run(preset, tmp_path / "reference", 6, objective=ZLoss(coef=1e-2)))
+    assert reference != losses(run(preset, tmp_path / "cross-entropy", 6))        # the objective is what was minimised
+    run(preset, tmp_path / "resumed", 4, objective=ZLoss(coef=1e-2))
+    assert losses(run(preset, tmp_path / "resumed", 6, resume=True, objective=ZLoss(coef=1e-2))) == reference
+
+
+@dataclass(kw_only=True)
+class ToyConfig:
+    "A third family, registered by the test: a bigram model (embedding → head)."
+    arch: str = "toy"
+    vocab_size: int = 8192
+    d_model: int = 16
+
+
+class ToyLM(torch.nn.Module):
+    def __init__(self, config: ToyConfig):
+        super().__init__()
+        self.config, self.layers = config, torch.nn.ModuleList()
+        self.embed = torch.nn.Embedding(config.vocab_size, config.d_model)
+        self.head = torch.nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, doc_ids=None):
+        return self.head(self.embed(input_ids))                                  # (B, L, V)
+
+
+def build(config, device="cpu", dtype=torch.float32, compile=False):
+    return ToyLM(config).to(device, dtype)
+
+def train_flops_per_token(config, seq_len):
+    return 6.0 * config.d_model * config.vocab_size
+
+def context_limit(config):
+    return None
+
+def aux_loss(model):
+    return 0.0
+
+def after_step(model):
+    return {"toy_head_norm": float(model.head.weight.detach().norm())}
+
+
+@pytest.fixture
+def toy_family():
+    registry.register("toy", __name__, "ToyConfig")
+    yield
+    del registry.ARCHS["toy"]
+
+
+def test_a_family_registered_from_outside_trains_without_touching_the_trainer(tmp_path, toy_family):
+    path = write_preset(tmp_path)
+    preset = yaml.safe_load(path.read_text())
+    preset["model"] = {"arch": "toy", "vocab_size": 8192, "d_model": 16}
+    path.write_text(yaml.safe_dump(preset))
+    (row,) = read_metrics(run(path, tmp_path / "run", 1))
+    assert row["toy_head_norm"] > 0 and abs(row["loss"] - math.log(8192)) < 0.5   # its hook's metric; untrained ≈ ln V
+    assert isinstance(load_model(model_config(load_preset(path)), tmp_path / "run" / "checkpoints" / "step-00000001"), ToyLM)
+
+
+def test_the_trainer_reaches_the_architectures_only_through_the_registry():
+    import ast
+    tree = ast.parse(Path(trainer.__file__).read_text())
+    reached = {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+               if "models" in (n.module or "")} | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                                    for a in n.names if "models" in a.name}
+    assert reached == {"models.registry"}, reached

@@ -22,11 +22,14 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from torch import nn
 
-from ..core import ConfigError, load_preset, project_root, to_dict
+from ..core import ConfigError, Preset, load_preset, project_root, to_dict
 from ..corpus import load_embedded, load_udhr
 from ..models.common import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
-from ..training.data import DataConfig, TokenLoader, load_curriculum, run_stages, tokenize_curriculum
+from ..models.registry import model_config
+from ..training.checkpoint import load_model
+from ..training.curriculum import load_curriculum, run_stages
+from ..training.data import DataConfig, token_pools, tokenize_curriculum
 
 # %% auto #0
 __all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'OpenPretrainLM', 'udhr_versions',
@@ -130,13 +133,12 @@ def _rolling_pairs(tokenizer, texts: list[str], prefix_id: int,
     return pairs, owner
 
 # %% ../../../nbs/13_evaluation.ipynb #6a0967fe
-def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: str, device: str | None) -> nn.Module:
+def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: Preset, device: str | None) -> nn.Module:
     "`model`, or the model of a trainer checkpoint of `preset` (exactly one of them), in eval mode on `device`."
     if (model is None) == (checkpoint is None):
         raise ValueError("OpenPretrainLM needs exactly one of model= or checkpoint=")
     if model is None:
-        from openpretrain.training.trainer import load_model
-        model = load_model(preset, checkpoint)
+        model = load_model(model_config(preset), checkpoint)
     return model.to(device or next(model.parameters()).device).eval()
 
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
@@ -147,8 +149,9 @@ class OpenPretrainLM(LM):
                  preset: str = "tiny", batch_size: int | str = 8, max_length: int | None = None,
                  device: str | None = None, max_batch_size: int | None = None):  # max_batch_size: lm-eval CLI, unused
         super().__init__()
-        self.model = model = _model_to_evaluate(model, checkpoint, preset, device)
-        self.tokenizer = tokenizer or load_tokenizer(load_preset(preset).section("tokenizer", TokenizerConfig))
+        p = load_preset(preset)   # lm-eval's entry point: `--model_args checkpoint=…,preset=…` names it
+        self.model = model = _model_to_evaluate(model, checkpoint, p, device)
+        self.tokenizer = tokenizer or load_tokenizer(p.section("tokenizer", TokenizerConfig))
         self.batch_size = 8 if batch_size == "auto" else int(batch_size)
         self.max_length = int(max_length or getattr(model.config, "max_seq_len", None) or 2048)
         self.prefix_id, self.eod_id = self.tokenizer.bos_id, self.tokenizer.eos_id
@@ -215,11 +218,11 @@ class TrainedText:
     _sorted: dict = field(default_factory=dict, repr=False)  # k → sorted hashes of every k-token pool window
 
     @classmethod
-    def from_preset(cls, preset: str, n: int = 13) -> TrainedText:
-        "The pools chapter 08's loader reads for `preset` (tokenized on first use)."
-        loader = TokenLoader.from_preset(preset, micro_batch=1)
-        tok = load_tokenizer(load_preset(preset).section("tokenizer", TokenizerConfig))
-        return cls(tok, [loader.pools[name].tokens for name in sorted(loader.pools)], n)
+    def from_preset(cls, p: Preset, n: int = 13) -> TrainedText:
+        "The pools chapter 08's loader reads for preset `p` (tokenized on first use)."
+        data, tok_cfg = p.section("data", DataConfig), p.section("tokenizer", TokenizerConfig)
+        pools = token_pools(load_curriculum(data.curriculum), data, tok_cfg, p.name)
+        return cls(load_tokenizer(tok_cfg), [pools[name].tokens for name in sorted(pools)], n)
 
     def overlap(self, text: str) -> float:
         "Share of the text's n-token windows (one window if shorter; first and last token dropped) found in the pools."
@@ -234,14 +237,13 @@ class TrainedText:
         return float(found.mean())
 
 # %% ../../../nbs/13_evaluation.ipynb #f0ab8ef2
-def trained_texts(presets: list[str], n: int = 13) -> list[TrainedText]:
+def trained_texts(presets: list[Preset], n: int = 13) -> list[TrainedText]:
     "One `TrainedText` per distinct (data section, tokenizer) among the evaluated presets."
     distinct = {}
-    for preset in presets:
-        p = load_preset(preset)
+    for p in presets:
         tok = p.section("tokenizer", TokenizerConfig)
         key = json.dumps([to_dict(p.section("data", DataConfig)), tok.name, tok.vocab_size, tok.bod, tok.eod])
-        distinct.setdefault(key, preset)
+        distinct.setdefault(key, p)
     return [TrainedText.from_preset(p, n) for p in distinct.values()]
 
 def trained_overlap(trained: list[TrainedText], text: str) -> float:
@@ -349,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the results as CSV here")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
-    cfg = load_preset(args.preset).section("evaluation", EvaluationConfig)
-    lm = OpenPretrainLM(checkpoint=args.checkpoint, preset=args.preset, batch_size=cfg.batch_size,
-                        max_length=cfg.max_length, device=args.device)
-    bpb, items, _ = heldout_tasks(cfg, trained_texts([args.preset], cfg.heldout_ngram))  # held out from its curriculum
+    p = load_preset(args.preset)
+    cfg = p.section("evaluation", EvaluationConfig)
+    lm = OpenPretrainLM(load_model(model_config(p), args.checkpoint), load_tokenizer(p.section("tokenizer", TokenizerConfig)),
+                        batch_size=cfg.batch_size, max_length=cfg.max_length, device=args.device)
+    bpb, items, _ = heldout_tasks(cfg, trained_texts([p], cfg.heldout_ngram))  # held out from its curriculum
     table = evaluate(lm, args.tasks or cfg.tasks, write_tasks(bpb, items), args.limit)
     print(table.to_string(index=False))
     if args.out:
@@ -360,9 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 # %% ../../../nbs/13_evaluation.ipynb #e500ec61
-def run_fingerprint(preset: str, steps: int) -> str:
+def run_fingerprint(p: Preset, steps: int) -> str:
     "16 hex digits naming a training run by what decides its weights: preset, token files, steps, threads, training code."
-    p = load_preset(preset)
     data = p.section("data", DataConfig)
     tokens = tokenize_curriculum(run_stages(load_curriculum(data.curriculum), data.seq_len), data,
                                  p.section("tokenizer", TokenizerConfig), p.name)

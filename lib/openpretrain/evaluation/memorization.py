@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from ..core import ConfigError
 from ..models.common import generate
-from ..tokenization import TokenizerConfig, load_tokenizer
-from ..training.data import StageSpec, TokenLoader, TokenPool, row_counts, stage_weights, tokenize_curriculum
+from ..training.curriculum import StageSpec, stage_weights
+from ..training.data import TokenLoader, TokenPool, row_counts, stage_counts, token_pools
 
 # %% auto #0
 __all__ = ['PROBE_SOURCE', 'DECODINGS', 'MemorizationConfig', 'lcs_length_dp', 'lcs_length', 'rouge_l', 'lccs', 'exact_match',
@@ -149,23 +149,18 @@ def probe_curriculum(stage: StageSpec, probe_rows: int, rows: int, seq_len: int,
                         "start": 0, "end": rows * seq_len, "sources": sources}]}
 
 # %% ../../../nbs/12_memorization.ipynb #ab5e06fc
-def probe_loader(pl, rank: int, world_size: int, label_mask, *, probe_dir: str | Path) -> TokenLoader:
-    "The trainer's `loader_factory` for a probe curriculum: chapter 08's token files, and the copies for `probes`."
-    from openpretrain.training.data import load_curriculum, stage_counts
-    curriculum = load_curriculum(pl.data.curriculum)
-    corpus = dataclasses.replace(curriculum, stages=[
-        dataclasses.replace(st, sources=[s for s in st.sources if s.name != PROBE_SOURCE]) for st in curriculum.stages])
-    tok_cfg = pl.preset.section("tokenizer", TokenizerConfig)
-    folder = tokenize_curriculum(corpus, pl.data, tok_cfg, pl.preset.name)
-    pools = {s.name: TokenPool.open(folder / s.name) for st in corpus.stages for s in st.sources}
+def probe_loader(pl, tokenizer, rank: int, world_size: int, label_mask, *, probe_dir: str | Path) -> TokenLoader:
+    "The trainer's `loader_factory` for a probe curriculum: chapter 08's token pools, and the copies for `probes`."
+    corpus = dataclasses.replace(pl.curriculum, stages=[
+        dataclasses.replace(st, sources=[s for s in st.sources if s.name != PROBE_SOURCE]) for st in pl.curriculum.stages])
+    pools = token_pools(corpus, pl.data, pl.tokenizer, pl.preset.name)
     pools[PROBE_SOURCE] = TokenPool.open(Path(probe_dir) / PROBE_SOURCE)
-    read = sum(c.get(PROBE_SOURCE, 0) for c in stage_counts(curriculum, pl.data.seq_len))
+    read = sum(c.get(PROBE_SOURCE, 0) for c in stage_counts(pl.curriculum, pl.data.seq_len))
     if read * pl.data.seq_len != len(pools[PROBE_SOURCE].tokens):
-        raise ConfigError(f"curriculum {curriculum.name} reads {read} probe rows but {probe_dir} holds "
+        raise ConfigError(f"curriculum {pl.curriculum.name} reads {read} probe rows but {probe_dir} holds "
                           f"{len(pools[PROBE_SOURCE].tokens) // pl.data.seq_len} copies: each must be read exactly once")
-    tok = load_tokenizer(tok_cfg)
-    return TokenLoader(curriculum, pools, pl.data.seq_len, pl.train.micro_batch, tok.bos_id, tok.eos_id, rank,
-                       world_size, pl.preset.seed, label_mask)
+    return TokenLoader(pl.curriculum, pools, pl.data.seq_len, pl.train.micro_batch, tokenizer.bos_id, tokenizer.eos_id,
+                       rank, world_size, pl.preset.seed, label_mask)
 
 # %% ../../../nbs/12_memorization.ipynb #69a42e1c
 def probe_sightings(loader: TokenLoader, copies: dict[bytes, str]) -> pd.DataFrame:

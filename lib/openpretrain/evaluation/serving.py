@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
-from ..core import ConfigError, load_preset
+from ..core import ConfigError
 from ..models.common import cache_bytes_per_token, generate
 from ..models.hybrid import mamba_state_bytes
-from ..models.registry import build_model, model_config
+from ..models.registry import ModelConfig, build_model, context_limit
 
 # %% auto #0
 __all__ = ['ServingConfig', 'cache_footprint', 'cache_bytes_at', 'cache_table', 'decode_tps', 'time_generate', 'serving_sweep',
@@ -54,11 +54,9 @@ def cache_bytes_at(config, context: int, dtype: torch.dtype = torch.bfloat16) ->
     return f["kv_bytes_per_token"] * context + f["state_bytes_per_sequence"]
 
 # %% ../../../nbs/14_serving.ipynb #d15df023
-def cache_table(presets: list[str], dtype: torch.dtype = torch.bfloat16, reference: str = "soofi-30b-a3b",
-                extra: dict | None = None):
-    "One row per preset (and per `extra` name → config): KV layers, KV bytes/token/sequence, ratio to `reference`, Mamba state."
+def cache_table(configs: dict[str, ModelConfig], dtype: torch.dtype = torch.bfloat16, reference: str = "soofi-30b-a3b"):
+    "One row per name → model config: KV layers, KV bytes/token/sequence, ratio to `reference`, Mamba state."
     import pandas as pd
-    configs = {name: model_config(load_preset(name)) for name in presets} | (extra or {})
     if reference not in configs:
         raise ValueError(f"reference '{reference}' is not among the presets {sorted(configs)}")
     rows = [{"model": name, "arch": c.arch, "layers": c.n_layers, "kv_layers": c.kv_layers, "kv_heads": c.n_kv_heads,
@@ -105,14 +103,13 @@ def serving_sweep(model: nn.Module, contexts: list[int], batch: int, o_long: int
     return rows
 
 # %% ../../../nbs/14_serving.ipynb #8f753810
-def run_serving(cfg: ServingConfig, device: str = "cpu", seed: int = 0):
-    "The Eq. 1 sweep of every preset in `cfg.models` → a DataFrame (preset, arch, context, t_short_s, t_long_s, decode_tps)."
+def run_serving(cfg: ServingConfig, models: dict[str, ModelConfig], device: str = "cpu", seed: int = 0):
+    "The Eq. 1 sweep of every name → model config → a DataFrame (preset, arch, context, t_short_s, t_long_s, decode_tps)."
     import pandas as pd
     frames = []
-    for name in cfg.models:
+    for name, config in models.items():
         torch.manual_seed(seed)
-        config = model_config(load_preset(name))
-        if hasattr(config, "max_seq_len"):  # the sweep's contexts may exceed the training context (RoPE extends)
+        if context_limit(config) is not None:  # the sweep's contexts may exceed the training context (RoPE extends)
             config = replace(config, max_seq_len=max(cfg.contexts) + cfg.o_long)
         model = build_model(config, device=device, dtype=getattr(torch, cfg.dtype)).eval()
         rows = serving_sweep(model, cfg.contexts, cfg.batch, cfg.o_long, cfg.o_short, cfg.reps, seed)

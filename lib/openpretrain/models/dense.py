@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['log', 'LLAMA3_KEYS', 'HF_FIELDS', 'HF_FIXED', 'DenseConfig', 'check_dense_config', 'xielu_reference', 'xielu_eager',
            'xielu', 'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
-           'train_flops_per_token']
+           'train_flops_per_token', 'context_limit', 'aux_loss', 'after_step']
 
 # %% ../../../nbs/06_dense.ipynb #df0fc1ab
 @dataclass(kw_only=True)
@@ -350,3 +350,16 @@ def train_flops_per_token(config: DenseConfig, seq_len: int) -> float:
     mlp = 3 * c.d_model * c.swiglu_hidden if c.activation == "swiglu" else 2 * c.d_model * c.mlp_hidden
     matmul_params = c.n_layers * (attn + mlp) + c.d_model * c.vocab_size
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.n_heads * c.head_dim
+
+# %% ../../../nbs/06_dense.ipynb #5e5d7bd2
+def context_limit(config: DenseConfig) -> int:
+    "The longest sequence the model reads: its max_seq_len."
+    return config.max_seq_len
+
+def aux_loss(model: DenseLM) -> float:
+    "No auxiliary loss."
+    return 0.0
+
+def after_step(model: DenseLM) -> dict[str, float]:
+    "Nothing to update after an optimizer step; no metrics."
+    return {}

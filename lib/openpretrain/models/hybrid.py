@@ -16,14 +16,14 @@ from ..core import ConfigError
 from .common import (Attention, KVCache, RMSNorm, attention_mask, document_segments, materialize,
                                         param_counts, require_positive)
 from .mamba2 import GatedRMSNorm, Mamba2Mixer
-from .moe import MoE, ReLU2MLP
+from .moe import MoE, ReLU2MLP, update_expert_bias
 
 SOOFI_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # Soofi S = Nemotron 3 Nano, 52 layers
 
 # %% auto #0
 __all__ = ['SOOFI_PATTERN', 'HF_FIELDS', 'HF_FIXED', 'HybridConfig', 'check_hybrid_config', 'HybridBlock', 'HybridLM',
            'HybridCache', 'build', 'init_weights', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
-           'mamba_state_bytes', 'params_by_kind']
+           'train_flops_per_token', 'context_limit', 'aux_loss', 'after_step', 'mamba_state_bytes', 'params_by_kind']
 
 # %% ../../../nbs/07_hybrid.ipynb #08db2060
 @dataclass(kw_only=True)
@@ -176,11 +176,6 @@ def init_cache(self: HybridLM, batch: int, max_len: int, device=None, dtype: tor
     p = self.lm_head.weight
     return HybridCache(self, batch, max_len, device or p.device, dtype or p.dtype)
 
-@patch
-def aux_loss(self: HybridLM) -> Tensor | float:
-    "Sum of the MoE layers' sequence balance losses from the last training forward (0 when off)."
-    return sum(m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None)
-
 # %% ../../../nbs/07_hybrid.ipynb #2a6f5e79
 def build(config: HybridConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
           compile: bool = False) -> HybridLM:
@@ -272,6 +267,28 @@ def from_hf(hf_model) -> HybridLM:
     hf_state = hf_model.state_dict()
     model.load_state_dict({k: hf_state[_hf_key(k)] for k in model.state_dict()}, strict=True)
     return model
+
+# %% ../../../nbs/07_hybrid.ipynb #70baea24
+def train_flops_per_token(config: HybridConfig, seq_len: int) -> float:
+    "Forward + backward FLOPs per token: 6 × active matmul parameters + 6 · attention layers · seq_len · n_heads · head_dim."
+    counts = param_counts(build(config, device="meta"))
+    attention = config.pattern.count("*") * seq_len * config.n_heads * config.head_dim
+    return 6.0 * (counts["active"] - counts["embedding"]) + 6.0 * attention
+
+def context_limit(config: HybridConfig) -> None:
+    "No positional embedding: no limit on the sequence length."
+    return None
+
+def aux_loss(model: HybridLM) -> Tensor | float:
+    "Sum of the MoE layers' sequence balance losses from the last training forward (0 when off)."
+    return sum(m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None)
+
+def after_step(model: HybridLM) -> dict[str, float]:
+    "The expert-bias update after an optimizer step (none at bias_update_rate 0); returns the mean max/mean expert load."
+    if not (rate := model.config.bias_update_rate):
+        return {}
+    loads = update_expert_bias(model, rate)                  # [(E,)] per MoE layer, summed over ranks
+    return {"moe_max_load": float(torch.stack([load.max() / load.mean() for load in loads]).mean())}
 
 # %% ../../../nbs/07_hybrid.ipynb #b4f45278
 def mamba_state_bytes(config: HybridConfig, dtype: torch.dtype = torch.bfloat16,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -14,7 +15,8 @@ from torch import nn
 from ..core import ConfigError, Preset
 
 # %% auto #0
-__all__ = ['ARCHS', 'HF_MODEL_TYPES', 'arch_module', 'config_class', 'model_config', 'build_model', 'to_hf', 'from_hf']
+__all__ = ['ARCHS', 'HF_MODEL_TYPES', 'arch_module', 'config_class', 'register', 'model_config', 'build_model', 'to_hf',
+           'from_hf', 'ModelConfig', 'flops_per_token', 'context_limit', 'aux_loss', 'after_step']
 
 # %% ../../../nbs/07a_registry.ipynb #2c26c2f7
 ARCHS = {  # a preset's model.arch → (module that builds it, its config class)
@@ -32,6 +34,10 @@ def arch_module(arch: str) -> ModuleType:
 def config_class(arch: str) -> type:
     "The config dataclass of family `arch`."
     return getattr(arch_module(arch), ARCHS[arch][1])
+
+def register(arch: str, module: str, config_class: str) -> None:
+    "Add a family: `module` (importable by name) provides the functions below; its `config_class` has `arch` = `arch`."
+    ARCHS[arch] = (module, config_class)
 
 # %% ../../../nbs/07a_registry.ipynb #e745a414
 def model_config(preset: Preset):
@@ -61,3 +67,25 @@ def from_hf(hf_model: nn.Module) -> nn.Module:
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"transformers model_type '{model_type}' has no counterpart; use one of {sorted(HF_MODEL_TYPES)}")
     return arch_module(HF_MODEL_TYPES[model_type]).from_hf(hf_model)
+
+# %% ../../../nbs/07a_registry.ipynb #1e1ca913
+class ModelConfig(Protocol):
+    "What the project reads of every family's config."
+    arch: str                    # the family (a key of ARCHS)
+    vocab_size: int              # ids the model embeds and predicts
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    "Training FLOPs per token of the model of `config` at `seq_len` (forward + backward, its family's formula)."
+    return arch_module(config.arch).train_flops_per_token(config, seq_len)
+
+def context_limit(config: ModelConfig) -> int | None:
+    "The longest sequence the model of `config` reads (None: no positional limit)."
+    return arch_module(config.arch).context_limit(config)
+
+def aux_loss(model: nn.Module) -> torch.Tensor | float:
+    "The auxiliary loss of the model's last training forward, added to the objective (0 for a family without one)."
+    return arch_module(model.config.arch).aux_loss(model)
+
+def after_step(model: nn.Module) -> dict[str, float]:
+    "The family's update after every optimizer step (the hybrid's expert bias); returns the metrics it logs."
+    return arch_module(model.config.arch).after_step(model)

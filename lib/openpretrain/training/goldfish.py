@@ -31,7 +31,7 @@ class GoldfishConfig:
 # %% auto #0
 __all__ = ['STRATEGIES', 'TABLE_SIZE', 'TABLE_SEED', 'MOD', 'BASE', 'CHARS_PER_TOKEN', 'GoldfishConfig', 'hash_table',
            'window_hash', 'CanonicalVocab', 'normalise_bytes', 'canonical_vocab', 'token_bytes', 'goldfish_mask',
-           'label_mask', 'loader_from_preset', 'masked_bytes', 'normalised_text', 'leaked_bytes']
+           'label_mask', 'DropCounter', 'masked_bytes', 'normalised_text', 'leaked_bytes']
 
 # %% ../../../nbs/09_goldfish.ipynb #eae425db
 TABLE_SIZE = 1_000_003     # entries of the reference table (a prime)
@@ -168,15 +168,21 @@ def label_mask(config: GoldfishConfig, tokenizer=None):
     return functools.partial(goldfish_mask, k=config.k, h=config.h, strategy=config.strategy, vocab=vocab)
 
 # %% ../../../nbs/09_goldfish.ipynb #13ee6100
-def loader_from_preset(preset: str, micro_batch: int, rank: int = 0, world_size: int = 1,
-                       token_dir: str | None = None):
-    "The preset's `TokenLoader` for this rank, with the preset's Goldfish mask ANDed into every loss mask."
-    from openpretrain.core import load_preset
-    from openpretrain.tokenization import TokenizerConfig, load_tokenizer
-    from openpretrain.training.data import TokenLoader
-    p = load_preset(preset)
-    mask = label_mask(p.section("goldfish", GoldfishConfig), load_tokenizer(p.section("tokenizer", TokenizerConfig)))
-    return TokenLoader.from_preset(preset, micro_batch, rank, world_size, label_mask=mask, token_dir=token_dir)
+class DropCounter:
+    "A `label_mask` hook that counts the labels it drops (the trainer's per-step Goldfish-dropped share)."
+    def __init__(self, mask_fn):
+        self.mask_fn, self.dropped, self.seen = mask_fn, 0, 0
+
+    def __call__(self, labels: Tensor) -> Tensor:
+        keep = self.mask_fn(labels)                       # (B, L) bool
+        self.dropped += int((~keep).sum())
+        self.seen += keep.numel()
+        return keep
+
+    def take(self) -> tuple[int, int]:
+        "(dropped, seen) since the last call."
+        counts, self.dropped, self.seen = (self.dropped, self.seen), 0, 0
+        return counts
 
 # %% ../../../nbs/09_goldfish.ipynb #e0278906
 def masked_bytes(ids: list[int], keep: Tensor, vocab: CanonicalVocab) -> Tensor:

@@ -18,7 +18,7 @@ from ..core import ConfigError
 # %% auto #0
 __all__ = ['SHAPES', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix', 'decays', 'param_groups',
            'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments', 'OptimConfig', 'Schedule',
-           'build_optimizer', 'build_schedule']
+           'build_optimizer']
 
 # %% ../../../nbs/10_optim.ipynb #5e703dad
 def half_life(beta: float) -> float:
@@ -155,7 +155,6 @@ class OptimConfig:
     eps: float = 1e-8            # (Apertus: 1e-8)
     weight_decay: float = 0.1    # decoupled, matrices only (Apertus: 0.1)
     clip: float | None = 0.1     # max global gradient norm, None = off (Apertus: 0.1)
-    seq_len: int = 4096          # tokens per sequence, as the data loader packs them (Apertus: 4,096; Soofi: 8,192)
     batch_size: int = 1024       # sequences per optimizer step at the start (8B: 1,024 × 4,096 = 4.2M tokens)
     batch_increase_at: list[float] = field(default_factory=lambda: [7e12])  # tokens at which the batch grows (8B: 7T)
     batch_increase_to: list[int] = field(default_factory=lambda: [2048])    # new batch sizes (8B: 2,048 = 8.4M tokens)
@@ -164,8 +163,8 @@ class OptimConfig:
 # %% ../../../nbs/10_optim.ipynb #11e9ba26
 class Schedule:
     "Learning rate and batch size as functions of the optimiser step (or of tokens consumed), from an OptimConfig."
-    def __init__(self, config: OptimConfig):
-        c, seq_len = config, config.seq_len
+    def __init__(self, config: OptimConfig, seq_len: int):
+        c = config
         if c.schedule.unit not in ("steps", "tokens"):
             raise ConfigError(f"optim.schedule.unit: '{c.schedule.unit}'; use steps | tokens")
         if len(c.batch_increase_at) != len(c.batch_increase_to) or list(c.batch_increase_at) != sorted(c.batch_increase_at):
@@ -181,57 +180,49 @@ class Schedule:
             n = max(0, math.ceil((at - tok0) / (size0 * seq_len)))
             self.phases.append((step0 + n, tok0 + n * size0 * seq_len, size))
 
-# %% ../../../nbs/10_optim.ipynb #ba231c17
-@patch
-def _phase(self: Schedule, step: float | None = None, tokens: float | None = None):
-    key, i = (0, step) if tokens is None else (1, tokens)
-    return next(p for p in reversed(self.phases) if p[key] <= i)
+    def tokens_at(self, step: float) -> float:
+        "Tokens consumed before optimiser step `step` (step 0 → 0)."
+        step0, tok0, size = self._phase(step=step)
+        return tok0 + (step - step0) * size * self.seq_len
 
-@patch
-def tokens_at(self: Schedule, step: float) -> float:
-    "Tokens consumed before optimiser step `step` (step 0 → 0)."
-    step0, tok0, size = self._phase(step=step)
-    return tok0 + (step - step0) * size * self.seq_len
+    def steps_at(self, tokens: float) -> float:
+        "The (fractional) step at which `tokens` have been consumed."
+        step0, tok0, size = self._phase(tokens=tokens)
+        return step0 + (tokens - tok0) / (size * self.seq_len)
 
-@patch
-def steps_at(self: Schedule, tokens: float) -> float:
-    "The (fractional) step at which `tokens` have been consumed."
-    step0, tok0, size = self._phase(tokens=tokens)
-    return step0 + (tokens - tok0) / (size * self.seq_len)
+    def batch_size_at(self, step: int | None = None, *, tokens: float | None = None) -> int:
+        "Sequences per optimiser step at `step` (or once `tokens` are consumed)."
+        return self._phase(step, tokens)[2]
 
-@patch
-def batch_size_at(self: Schedule, step: int | None = None, *, tokens: float | None = None) -> int:
-    "Sequences per optimiser step at `step` (or once `tokens` are consumed)."
-    return self._phase(step, tokens)[2]
+    def lr_at(self, step: float | None = None, *, tokens: float | None = None) -> float:
+        "Learning rate at optimiser step `step` (or after `tokens`); the final value holds after the last segment."
+        if tokens is None:
+            x = step if self.unit == "steps" else self.tokens_at(step)
+        else:
+            x = tokens if self.unit == "tokens" else self.steps_at(tokens)
+        lr, x0 = self.start, 0.0
+        for seg in self.segments:
+            if x < x0 + seg.length:
+                return self.peak * segment_lr(lr, seg.to, seg.shape, (x - x0) / seg.length)
+            lr, x0 = seg.to, x0 + seg.length
+        return self.peak * lr
 
-# %% ../../../nbs/10_optim.ipynb #a17c25bd
-@patch
-def lr_at(self: Schedule, step: float | None = None, *, tokens: float | None = None) -> float:
-    "Learning rate at optimiser step `step` (or after `tokens`); the final value holds after the last segment."
-    if tokens is None:
-        x = step if self.unit == "steps" else self.tokens_at(step)
-    else:
-        x = tokens if self.unit == "tokens" else self.steps_at(tokens)
-    lr, x0 = self.start, 0.0
-    for seg in self.segments:
-        if x < x0 + seg.length:
-            return self.peak * segment_lr(lr, seg.to, seg.shape, (x - x0) / seg.length)
-        lr, x0 = seg.to, x0 + seg.length
-    return self.peak * lr
+    @property
+    def total_steps(self) -> int:
+        "Whole optimiser steps that fit in the schedule (a token budget that is no whole number of batches rounds down)."
+        total = sum(s.length for s in self.segments)
+        return math.floor((total if self.unit == "steps" else self.steps_at(total)) + 1e-9)
 
-@patch(as_prop=True)
-def total_steps(self: Schedule) -> int:
-    "Whole optimiser steps that fit in the schedule (a token budget that is no whole number of batches rounds down)."
-    total = sum(s.length for s in self.segments)
-    return math.floor((total if self.unit == "steps" else self.steps_at(total)) + 1e-9)
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        "Set every group's learning rate for `step`; returns it."
+        lr = self.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
-@patch
-def apply(self: Schedule, optimizer: torch.optim.Optimizer, step: int) -> float:
-    "Set every group's learning rate for `step`; returns it."
-    lr = self.lr_at(step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
+    def _phase(self, step: float | None = None, tokens: float | None = None):
+        key, i = (0, step) if tokens is None else (1, tokens)
+        return next(p for p in reversed(self.phases) if p[key] <= i)
 
 # %% ../../../nbs/10_optim.ipynb #80754af9
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
@@ -245,9 +236,3 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimi
         return torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas[:2]), eps=c.eps, weight_decay=c.weight_decay,
                                  fused=fused or None)
     raise ConfigError(f"optim.name: unknown optimiser '{c.name}'; use ademamix | adamw")
-
-def build_schedule(config: OptimConfig, seq_len: int | None = None) -> Schedule:
-    "The learning-rate and batch-size schedule of `config`; `seq_len`, if given, must be the config's."
-    if seq_len is not None and seq_len != config.seq_len:
-        raise ConfigError(f"optim.seq_len is {config.seq_len} but the data has sequences of {seq_len} tokens")
-    return Schedule(config)
