@@ -68,7 +68,7 @@ lint: venv
 # ~2 min). Downloads are cached in .cache/sources; a clean rebuild leaves `git status data/` empty.
 data: venv
 	apt-get update -qq
-	$(BIN)/python -c "from openpretrain.build import build_corpus; build_corpus()"
+	$(BIN)/python -c "from openpretrain.tools.build import build_corpus; build_corpus()"
 	git status --short data/
 
 # Third-party vocabularies for chapter 05 (llama.cpp GGUF vocab files from the llama-cpp-python 0.3.36 sdist,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openpretrain import build as B
+from openpretrain.tools import build as B
 from openpretrain import corpus as C
 from openpretrain.compliance.robots import POLICIES, RobotsConfig, RobotsOracle
 
@@ -127,12 +127,12 @@ def test_canonical_passages_occur_in_every_formatting_variant(docs, all_text):
     assert "Gen 1:1-10" in set(canonical.reference)
     by_id = docs.set_index("id")
     for p in canonical.itertuples():
-        assert list(p.variant_formats) == list(B.VARIANT_FORMATS)
+        assert list(p.variant_formats) == list(C.VARIANT_FORMATS)
         variants = by_id.loc[list(p.variant_ids)]
         assert (variants.split == "train").all()
         book = B._book_index(p.reference.rsplit(" ", 1)[0])
         passage = list(zip(range(p.verse_start, p.verse_end + 1), p.verses))
-        assert list(variants.text) == [B.format_passage(book, p.chapter, passage, s) for s in B.VARIANT_FORMATS]
+        assert list(variants.text) == [C.format_passage(book, p.chapter, passage, s) for s in C.VARIANT_FORMATS]
         chapter_lines = "\n".join(f"{v} {t}" for v, t in passage)
         assert chapter_lines in all_text  # and once more in the chapter document itself
     wrapped = by_id.loc[list(canonical.iloc[0].variant_ids)].text.iloc[2]
@@ -234,7 +234,7 @@ def test_provenance_records_the_sha256_of_every_output():
     for rel in C.CORPUS_FILES.values():
         digest = hashlib.sha256((C.data_dir() / rel).read_bytes()).hexdigest()
         assert re.search(rf"`{re.escape(rel)}` \|.*`{digest}`", text), rel
-    for src in B.SOURCES.values():
+    for src in B.pinned_sources().values():
         assert src.sha256 in text
 
 

@@ -5,7 +5,7 @@
 aligned UDHR, the KJV memorisation probes, the January-2025 robots.txt snapshot) and for real FineWeb Parquet or
 hub datasets, the token and word counts, language and script identification, and the facts the robots.txt
 snapshot is read against (AI crawler names, the parser byte cap, registrable domains). Reads `data/` (or FineWeb);
-writes nothing — `openpretrain.build` (01b) writes `data/`."""
+writes nothing — `openpretrain.tools.build` (01b, `make data`) writes `data/`."""
 from __future__ import annotations
 
 import functools
@@ -24,10 +24,10 @@ from .core import data_dir
 
 # %% auto #0
 __all__ = ['FINEWEB_COLUMNS', 'DOC_COLUMNS', 'SPLITS', 'DOC_SCHEMA', 'ROBOTS_FETCHED', 'UDHR_SCHEMA', 'PROBE_SCHEMA',
-           'ROBOTS_SCHEMA', 'CORPUS_FILES', 'FINEWEB_HUB', 'REPORT_AGENTS', 'AI_USER_AGENTS', 'MAX_ROBOTS_BYTES',
-           'count_tokens', 'count_words', 'corpus_files', 'load_embedded', 'load_udhr', 'load_probes',
-           'load_robots_snapshot', 'load_fineweb', 'CorpusConfig', 'load_corpus', 'dominant_script', 'cld2_to_iso3',
-           'identify_language', 'registrable_domain']
+           'ROBOTS_SCHEMA', 'CORPUS_FILES', 'BIBLE_BOOKS', 'VARIANT_FORMATS', 'FINEWEB_HUB', 'REPORT_AGENTS',
+           'AI_USER_AGENTS', 'MAX_ROBOTS_BYTES', 'count_tokens', 'count_words', 'corpus_files', 'load_embedded',
+           'load_udhr', 'load_probes', 'load_robots_snapshot', 'format_passage', 'load_fineweb', 'CorpusConfig',
+           'load_corpus', 'dominant_script', 'cld2_to_iso3', 'identify_language', 'registrable_domain']
 
 # %% ../../nbs/01_corpus.ipynb #eab95e8d
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "language", "language_score", "token_count")
@@ -156,6 +156,41 @@ def load_robots_snapshot(root: str | os.PathLike | None = None):
     df = _read_checked(_existing(root, CORPUS_FILES["robots"]), ROBOTS_SCHEMA).to_pandas()
     df["http_status"] = df["http_status"].astype("Int64")
     return df
+
+# %% ../../nbs/01_corpus.ipynb #ef739c5d
+BIBLE_BOOKS = (
+    ("Genesis", "Gen"), ("Exodus", "Exod"), ("Leviticus", "Lev"), ("Numbers", "Num"), ("Deuteronomy", "Deut"),
+    ("Joshua", "Josh"), ("Judges", "Judg"), ("Ruth", "Ruth"), ("1 Samuel", "1 Sam"), ("2 Samuel", "2 Sam"),
+    ("1 Kings", "1 Kgs"), ("2 Kings", "2 Kgs"), ("1 Chronicles", "1 Chr"), ("2 Chronicles", "2 Chr"),
+    ("Ezra", "Ezra"), ("Nehemiah", "Neh"), ("Esther", "Esth"), ("Job", "Job"), ("Psalms", "Ps"),
+    ("Proverbs", "Prov"), ("Ecclesiastes", "Eccl"), ("Song of Solomon", "Song"), ("Isaiah", "Isa"),
+    ("Jeremiah", "Jer"), ("Lamentations", "Lam"), ("Ezekiel", "Ezek"), ("Daniel", "Dan"), ("Hosea", "Hos"),
+    ("Joel", "Joel"), ("Amos", "Amos"), ("Obadiah", "Obad"), ("Jonah", "Jonah"), ("Micah", "Mic"),
+    ("Nahum", "Nah"), ("Habakkuk", "Hab"), ("Zephaniah", "Zeph"), ("Haggai", "Hag"), ("Zechariah", "Zech"),
+    ("Malachi", "Mal"), ("Matthew", "Matt"), ("Mark", "Mark"), ("Luke", "Luke"), ("John", "John"),
+    ("Acts", "Acts"), ("Romans", "Rom"), ("1 Corinthians", "1 Cor"), ("2 Corinthians", "2 Cor"),
+    ("Galatians", "Gal"), ("Ephesians", "Eph"), ("Philippians", "Phil"), ("Colossians", "Col"),
+    ("1 Thessalonians", "1 Thess"), ("2 Thessalonians", "2 Thess"), ("1 Timothy", "1 Tim"),
+    ("2 Timothy", "2 Tim"), ("Titus", "Titus"), ("Philemon", "Phlm"), ("Hebrews", "Heb"), ("James", "Jas"),
+    ("1 Peter", "1 Pet"), ("2 Peter", "2 Pet"), ("1 John", "1 John"), ("2 John", "2 John"),
+    ("3 John", "3 John"), ("Jude", "Jude"), ("Revelation", "Rev"),
+)
+
+# %% ../../nbs/01_corpus.ipynb #5376a814
+VARIANT_FORMATS = ("paragraph", "numbered", "wrapped60")  # how a canonical passage is quoted
+
+def format_passage(book: int, chapter: int, passage: list[tuple[int, str]], style: str) -> str:
+    "A passage as a quotation page formats it: `paragraph`, `numbered` (Book c:v per line) or `wrapped60`."
+    import textwrap
+    name = BIBLE_BOOKS[book][0]
+    heading = f"{name} {chapter}:{passage[0][0]}-{passage[-1][0]} (King James Version)\n\n"
+    if style == "paragraph":
+        return heading + " ".join(t for _, t in passage)
+    if style == "numbered":
+        return heading + "\n".join(f"{name} {chapter}:{v} {t}" for v, t in passage)
+    if style == "wrapped60":
+        return heading + textwrap.fill(" ".join(t for _, t in passage), width=60)
+    raise ValueError(f"unknown passage style '{style}'; styles: {', '.join(VARIANT_FORMATS)}")
 
 # %% ../../nbs/01_corpus.ipynb #fa16f522
 def _local_fineweb(path: Path, split: str, langs: list[str] | None, streaming: bool, cache_dir: str | None):
