@@ -120,13 +120,26 @@ def test_packed_row_is_the_pool_stream_and_documents_split_at_bod(loader, tok):
             assert tok.bos_id not in ids[1:] and (d == 0 or ids[0] == tok.bos_id)
 
 
-def test_loss_mask_is_false_on_eod_targets_and_after_eod_only(loader, tok):
-    b = fresh().next_batch()
-    assert not b.loss_mask[b.labels == tok.eos_id].any()
-    assert not b.loss_mask[b.input_ids == tok.eos_id].any()
-    other = (b.labels != tok.eos_id) & (b.input_ids != tok.eos_id)
-    assert b.loss_mask[other].all()  # no Goldfish hook given: nothing else is masked
-    assert (b.labels == tok.eos_id).any()
+def megatron_loss_mask(data: torch.Tensor, eod_token: int, eod_mask_loss: bool = True) -> torch.Tensor:
+    "The loss-mask lines of Megatron-LM's `_get_ltor_masks_and_position_ids` (swiss-ai/Megatron-LM, gpt_dataset.py)."
+    loss_mask = torch.ones(data.size(), dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    return loss_mask
+
+
+def test_loss_mask_is_megatrons_eod_mask_loss_on_the_inputs(tok):
+    b = fresh().next_batch()                         # no Goldfish hook given: the EoD rule alone
+    expected = torch.stack([megatron_loss_mask(tokens, tok.eos_id) for tokens in b.input_ids]) == 1.0
+    assert torch.equal(b.loss_mask, expected)
+    assert b.loss_mask[b.labels == tok.eos_id].all() and (b.labels == tok.eos_id).any()   # EoD is learnt
+    assert not b.loss_mask[b.input_ids == tok.eos_id].any()                               # the next BoD is not
+
+
+def test_a_model_can_only_end_a_document_if_eod_is_a_trained_target(tok):
+    ids = np.array([[tok.bos_id, 11, 12, tok.eos_id, tok.bos_id, 21, 22, 23, tok.eos_id, tok.bos_id]])
+    b = pack_rows(ids, tok.bos_id, tok.eos_id)
+    assert b.labels[0][b.loss_mask[0]].tolist() == [11, 12, tok.eos_id, 21, 22, 23, tok.eos_id]
 
 
 def test_label_mask_hook_is_anded_into_the_loss_mask(tok):

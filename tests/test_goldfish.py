@@ -153,6 +153,6 @@ def test_preset_loader_applies_the_goldfish_mask_front_loaded(tok):
     from openpretrain.training.plan import plan, token_loader
     pl = plan("tiny")
     b = token_loader(pl, tok, label_mask=label_mask(pl.goldfish, tok)).next_batch()
-    structural = (b.labels != tok.eos_id) & (b.input_ids != tok.eos_id)
+    structural = b.input_ids != tok.eos_id                  # chapter 08's EoD rule
     expected = structural & reference_loop(b.labels, 50, 50)  # tiny: k = h = 50, hash-table
     assert torch.equal(b.loss_mask, expected) and not expected.all()

@@ -94,7 +94,7 @@ def test_a_probe_row_scores_exactly_its_passage_tokens():
     row = probe_row(passage, bod, eod, L)
     batch = pack_rows(np.concatenate([row, [bod]])[None], bod, eod)          # the next copy's BoD is the last label
     scored = batch.labels[0][batch.loss_mask[0]].tolist()
-    assert scored == passage                                                  # EoD target and padding never scored
+    assert scored == [*passage, eod]                                          # the passage and its end; padding never
     long = probe_row(list(range(100, 140)), bod, eod, L)
     assert long.tolist() == [bod, *range(100, 114), eod]                      # cut to fit one row
 

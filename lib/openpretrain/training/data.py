@@ -233,7 +233,7 @@ def pack_rows(rows: np.ndarray, bod: int, eod: int, label_mask=None) -> Batch:
     "Rows of L + 1 consecutive stream tokens (B, L+1) → a Batch; `label_mask(labels) -> keep` is ANDed in."
     t = torch.from_numpy(rows.astype(np.int64))
     input_ids, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()  # (B, L) each
-    loss_mask = (labels != eod) & (input_ids != eod)
+    loss_mask = input_ids != eod                                    # Megatron --eod-mask-loss: inputs, not labels
     if label_mask is not None:
         loss_mask &= label_mask(labels)
     doc_ids = (input_ids == bod).long().cumsum(1)                 # (B, L)
