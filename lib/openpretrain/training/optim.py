@@ -19,22 +19,24 @@ from torch import Tensor, nn
 from ..core import ConfigError
 
 # %% auto #0
-__all__ = ['SHAPES', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix', 'decays', 'param_groups',
-           'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments', 'OptimConfig', 'Schedule',
-           'build_optimizer']
+__all__ = ['HALF_LIFE_EPS', 'SHAPES', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix', 'decays',
+           'param_groups', 'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments',
+           'OptimConfig', 'Schedule', 'build_optimizer']
 
 # %% ../../../nbs/10_optim.ipynb #5e703dad
+HALF_LIFE_EPS = 1e-8  # inside the logarithm of f, as the reference scheduler (β = 0 allowed)
+
 def half_life(beta: float) -> float:
-    "f(β) = ln 0.5 / ln β − 1: steps after which an EMA with decay β has halved a gradient's weight (minus one)."
-    return math.log(0.5) / math.log(beta) - 1
+    "f(β) = ln 0.5 / ln(β + ε) − 1: steps after which an EMA with decay β has halved a gradient's weight (minus one)."
+    return math.log(0.5) / math.log(beta + HALF_LIFE_EPS) - 1
 
 def beta_from_half_life(h: float) -> float:
     "f⁻¹(h) = 0.5^(1/(h+1)), the decay whose half-life is h."
     return 0.5 ** (1 / (h + 1))
 
 def alpha_at(step: int, alpha: float, warmup: int | None) -> float:
-    "α(t) = α·t/T during the warm-up of T steps, α after (and throughout when T is None)."
-    return alpha if not warmup or step >= warmup else alpha * step / warmup
+    "α(t) = (t/T)·α during the warm-up of T steps, α after (and throughout when T is None)."
+    return alpha if not warmup or step >= warmup else step / warmup * alpha
 
 def beta3_at(step: int, beta1: float, beta3: float, warmup: int | None) -> float:
     "β3(t): linear in half-life space from β1 (t = 0) to β3 (t ≥ T); β3 throughout when T is None."
@@ -69,16 +71,17 @@ def step(self: AdEMAMix, closure=None):
                 continue
             g, state = p.grad, self.state[p]
             if not state:
-                state.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+                state.update(step=0, m1=torch.zeros_like(p) if b1 else None, m2=torch.zeros_like(p), nu=torch.zeros_like(p))
             state["step"] += 1
             t, m1, m2, nu = state["step"], state["m1"], state["m2"], state["nu"]
-            b3_t = beta3_at(t, b1, b3, group["t_beta3"])
-            m1.mul_(b1).add_(g, alpha=1 - b1)
+            alpha, b3_t = alpha_at(t, group["alpha"], group["t_alpha"]), beta3_at(t, b1, b3, group["t_beta3"])
+            m1 = m1.mul_(b1).add_(g, alpha=1 - b1) if b1 else g            # β1 = 0: no fast EMA
             m2.mul_(b3_t).add_(g, alpha=1 - b3_t)
             nu.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (nu / (1 - b2**t)).sqrt_().add_(eps)
-            update = (m1 / (1 - b1**t)).add_(m2, alpha=alpha_at(t, group["alpha"], group["t_alpha"])).div_(denom)
-            p.add_(update.add_(p, alpha=wd), alpha=-lr)
+            denom = (nu.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+            update = (m1.div(1 - b1**t) + alpha * m2) / denom
+            update.add_(p, alpha=wd)
+            p.add_(-lr * update)
     return loss
 
 # %% ../../../nbs/10_optim.ipynb #0a894db7
