@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openpretrain.compliance.pipeline import (FailClosed, build_pipeline, make_executor, make_reader, output_lock,
+from openpretrain.compliance.pipeline import (FailClosed, build_pipeline, make_executor, make_reader,
                                               read_ledger, run_compliance)
 from openpretrain.compliance.robots import write_snapshot
 from openpretrain.compliance.toxicity import (ToxicityConfig, ToxicityScorer, USEEmbedder, fit_threshold, load_heads,
                                               load_weak_labels, random_score)
-from openpretrain.core import load_preset
+from openpretrain.core import folder_lock, load_preset
 
 ROBOTS = {  # host → robots.txt body (bytes), fetched 2025-01-15
     "blocked.example.org": b"User-agent: GPTBot\nDisallow: /\n",
@@ -423,7 +423,7 @@ def test_a_second_run_on_a_locked_output_folder_fails_naming_the_holder(tmp_path
     finally:
         holder.kill()
         holder.wait()
-    with output_lock(tmp_path / "out"):  # released with its holder
+    with folder_lock(tmp_path / "out", "compliance run"):  # released with its holder
         pass
 
 

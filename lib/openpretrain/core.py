@@ -8,13 +8,16 @@ outputs/<preset>/."""
 # %% ../../nbs/00_core.ipynb #a6cab33d
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import fcntl
 import hashlib
 import math
 import os
 import random
 import re
+import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,8 +30,9 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'project_root', 'data_dir',
-           'configs_dir', 'sha256_file', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'Preset', 'list_presets',
-           'load_preset', 'seed_everything', 'resolve_device', 'outputs_root', 'Artifacts', 'paper_vs_ours']
+           'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict',
+           'Preset', 'list_presets', 'load_preset', 'seed_everything', 'resolve_device', 'outputs_root', 'Artifacts',
+           'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -59,6 +63,29 @@ def sha256_file(path: str | os.PathLike) -> str:
             h.update(block)
     return h.hexdigest()
 
+# %% ../../nbs/00_core.ipynb #f8fe376b
+class FolderInUse(RuntimeError):
+    "Another process holds the folder's lock."
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, job: str = "run"):
+    "Hold an exclusive lock on `<folder>/.lock` (pid@host inside) while the block runs; a second holder fails at once."
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise FolderInUse(f"{out} is in use by another {job} ({f.read().strip() or 'unknown holder'})") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield out
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)  # the kernel also drops it when the process dies
+
 # %% ../../nbs/00_core.ipynb #a3c46596
 class ConfigError(ValueError):
     "A preset or config section that does not match its schema; `field` is the dotted knob when one is to blame."
@@ -69,7 +96,6 @@ class ConfigError(ValueError):
 def bounded(default, lo=None, hi=None, **kw):
     "A dataclass field whose value `from_dict` checks against the closed interval [lo, hi] (None: unbounded)."
     return field(default=default, metadata={"range": (lo, hi)}, **kw)
-
 
 # %% ../../nbs/00_core.ipynb #8537c4e6
 def _coerce(tp, value, where: str):
@@ -162,7 +188,6 @@ SECTIONS = (
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 
-
 # %% ../../nbs/00_core.ipynb #438d0ea5
 MAX_DEPTH = 32  # nesting levels a preset may use (the deepest shipped one uses 4)
 
@@ -181,7 +206,6 @@ class _PresetLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
-
 
 # %% ../../nbs/00_core.ipynb #a16c316b
 def _read_yaml(path: Path) -> tuple[object, dict[str, int]]:

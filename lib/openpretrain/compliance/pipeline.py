@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import json
-import os
 import signal
-import socket
 from functools import partial
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
            'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
-           'WatchedLocalExecutor', 'make_executor', 'output_lock', 'run_compliance', 'input_ids', 'plan_tasks',
-           'read_ledger']
+           'WatchedLocalExecutor', 'make_executor', 'run_compliance', 'input_ids', 'plan_tasks', 'read_ledger']
 
 # %% ../../../nbs/04a_pipeline.ipynb #c891363a
 import multiprocess
@@ -42,7 +38,7 @@ from .pii import PIIAnonymizer, PIIConfig
 from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
                                               make_embedder, random_score)
-from ..core import load_preset, outputs_root
+from ..core import folder_lock, load_preset, outputs_root
 
 # %% ../../../nbs/04a_pipeline.ipynb #514779c4
 STAGES = ("malformed", "robots", "toxicity", "pii")  # ledger steps in pipeline order (PII rewrites, removes nothing)
@@ -329,27 +325,6 @@ def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: i
         multiprocess.get_context("forkserver").set_forkserver_preload([__name__])  # workers fork with the stages loaded
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
 
-# %% ../../../nbs/04a_pipeline.ipynb #f07e1f2a
-@contextlib.contextmanager
-def output_lock(output_dir: str | Path):
-    "Hold an exclusive fcntl lock on `<output_dir>/.lock` (pid@host inside); a second run fails at once naming it."
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RuntimeError(f"{out} is in use by another compliance run ({f.read().strip() or 'unknown holder'})"
-                               ) from None
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        try:
-            yield out
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)  # the kernel also drops it when the process dies
-
 # %% ../../../nbs/04a_pipeline.ipynb #0ff7317b
 def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, output_dir: str | Path | None = None, *,
                    input_dir: str | Path | None = None, fmt: str | None = None, robots_snapshot=None,
@@ -359,7 +334,7 @@ def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, outpu
     input_dir, fmt, robots_snapshot = _defaults(preset, input_dir, fmt, robots_snapshot)
     ids = input_ids(input_dir, fmt)  # fails closed on duplicate ids, before anything is written
     tasks = plan_tasks(tasks, input_dir, fmt)
-    with output_lock(out):
+    with folder_lock(out, "compliance run"):
         thresholds_file = out / "toxicity_thresholds.json"
         if not thresholds_file.exists():  # a resumed run keeps the thresholds of the first one
             thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
