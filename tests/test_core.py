@@ -5,8 +5,9 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
+import yaml
 
-from openpretrain.core import ConfigError, bounded, from_dict, list_presets, load_preset
+from openpretrain.core import ConfigError, bounded, from_dict, list_presets, load_preset, project_root
 from openpretrain.report import (ReportSettings, check_report, check_settings, compare_manifests, git_state,
                                  read_settings, run_report, write_index)
 
@@ -178,8 +179,9 @@ def test_report_refuses_an_unwritable_outputs_folder(tmp_path):
     ("preset: x\nmodel:\n\tdepth: 2\n", 3, "invalid YAML"),          # a tab for indentation
     ("preset: x\ndescription: a\x00b\n", 2, "invalid YAML"),         # NUL
     ("preset: x\nbomb: &a [1]\nb: *a\n", 2, "anchors and aliases"),  # the first step of an alias bomb
-    ("preset: x\nseed: abc\n", 2, "seed: expected a non-negative int"),
-    ("preset: x\nseed: -1\n", 2, "seed: expected a non-negative int"),
+    ("preset: x\nseed: abc\n", 2, r"seed: expected an int in \[0, "),
+    ("preset: x\nseed: -1\n", 2, r"seed: expected an int in \[0, "),
+    ("preset: x\nseed: 1180591620717411303424\n", 2, r"seed: expected an int in \[0, "),   # 2**70
     ("preset: x\ndevice: [cuda]\n", 2, "device: expected a str"),
 ])
 def test_broken_presets_fail_with_the_file_and_line(tmp_path, text, line, problem):
@@ -321,3 +323,40 @@ def test_a_partial_check_reuses_the_committed_compliance_output_unless_it_reruns
     assert (tmp_path / "a" / "compliance" / "kept" / "00000.jsonl.gz").read_bytes() == b"docs"
     assert reuse_upstream(tmp_path / "committed", tmp_path / "b", ["04a_pipeline", "08_data"]) == []
     assert not (tmp_path / "b").exists()
+
+
+# --- a preset is data, never a path or an infinity (issue 17, causes 2 and 6) ------------------------------
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/etc", "Tiny", "tiny_v2", ""])
+def test_a_preset_name_that_is_not_a_plain_name_is_refused(tmp_path, name):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"preset": name}))
+    with pytest.raises(ConfigError, match="must be lower-case words joined by hyphens"):
+        load_preset(path)
+
+
+def test_a_preset_named_like_a_path_cannot_write_a_run_outside_runs(tmp_path):
+    import shutil
+    from openpretrain.training.trainer import main
+    name = f"escaped-{tmp_path.name}"                             # runs/../../<name> would land beside the checkout
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**load_preset("tiny").raw, "preset": f"../../{name}"}))
+    try:
+        assert main(["--preset", str(path), "--max-steps", "1"]) == 2
+        assert not (project_root().parent / name).exists()
+    finally:
+        shutil.rmtree(project_root().parent / name, ignore_errors=True)
+
+
+@pytest.mark.parametrize("text", ["preset: x\noptim:\n  lr: .inf\n", "preset: x\noptim:\n  clip: 1.0e+999\n"])
+def test_an_infinite_knob_is_refused(tmp_path, text):
+    from openpretrain.training.optim import OptimConfig
+    (tmp_path / "x.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="inf is not a valid value"):
+        load_preset(tmp_path / "x.yaml").section("optim", OptimConfig)
+
+
+def test_a_key_written_twice_is_an_error_not_last_one_wins(tmp_path):
+    (tmp_path / "x.yaml").write_text("preset: x\noptim:\n  lr: 1.0e-3\n  lr: 1.0\n")
+    with pytest.raises(ConfigError, match=r"x.yaml:4: invalid YAML: key 'lr' appears twice"):
+        load_preset(tmp_path / "x.yaml")

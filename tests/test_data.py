@@ -272,3 +272,106 @@ def test_auto_input_reads_the_compliance_output_of_this_runs_root_never_the_chec
     assert input_documents(DataConfig(), "tiny") == (str(kept), "jsonl")
     monkeypatch.setenv("OPENPRETRAIN_OUTPUTS", str(tmp_path / "fresh"))   # a root whose 04a has not run
     assert input_documents(DataConfig(), "tiny")[1] == "parquet"          # the embedded corpus
+
+
+# --- the token cache is what it claims to be (issue 17, causes 11 and 12) ------------------------------------
+
+def one_source_curriculum(name: str = "kept", source: str = "fortunes-de") -> Curriculum:
+    "A one-stage curriculum reading one embedded source into the pool `de`."
+    from openpretrain.training.curriculum import SourceSpec, StageSpec
+    return validate(Curriculum(name=name, stages=[StageSpec(name="s", tokens=1024, sources=[
+        SourceSpec(name="de", select={"source": [source]}, weight=1.0)])]))
+
+
+def tokenize_into(tmp_path, curriculum=None, tokenizer=None):
+    from openpretrain.tokenization import TokenizerConfig
+    from openpretrain.training.data import DataConfig, tokenize_curriculum
+    return tokenize_curriculum(curriculum or one_source_curriculum(), DataConfig(input="embedded", seq_len=256),
+                               tokenizer or TokenizerConfig(name="bpe-bal-8k", vocab_size=8192),
+                               token_dir=tmp_path / "tokens")
+
+
+def test_a_document_with_literal_bod_text_stays_one_document_in_the_token_files(tmp_path, tok):
+    from openpretrain.training.data import TokenPool
+    pool = TokenPool.open(tokenize_into(tmp_path) / "de")
+    docs = pool.documents()
+    assert all(d[0] == tok.bos_id and d[-1] == tok.eos_id for d in docs)
+    assert all(tok.bos_id not in d[1:] and tok.eos_id not in d[:-1] for d in docs)    # no split inside a document
+    assert any("<s>" in tok.tok.decode(d[1:-1].tolist()) for d in docs)                # the strike-through is text
+
+
+def test_a_token_file_cut_in_half_is_tokenized_again_not_trained_on(tmp_path, capsys):
+    from openpretrain.training.data import TokenPool
+    out = tokenize_into(tmp_path)
+    whole = TokenPool.open(out / "de").tokens.copy()
+    part = next((out / "de").glob("*.ds"))
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    assert tokenize_into(tmp_path) == out and "tokenizing again" in capsys.readouterr().err
+    assert np.array_equal(TokenPool.open(out / "de").tokens, whole)
+
+
+def test_a_deleted_source_folder_is_tokenized_again(tmp_path, capsys):
+    import shutil
+    out = tokenize_into(tmp_path)
+    shutil.rmtree(out / "de")
+    assert (tokenize_into(tmp_path) / "de").is_dir() and "de/00000.ds is missing" in capsys.readouterr().err
+
+
+def test_an_odd_sized_token_file_is_refused_naming_it(tmp_path):
+    from openpretrain.training.data import TokenCacheError, TokenPool
+    out = tokenize_into(tmp_path)
+    part = next((out / "de").glob("*.ds"))
+    part.write_bytes(part.read_bytes() + b"\x01")                       # 2-byte ids plus one stray byte
+    with pytest.raises(TokenCacheError, match=r"00000\.ds: .* not whole ids"):
+        TokenPool.open(out / "de")
+
+
+def test_a_replaced_tokenizer_file_of_the_same_name_and_size_gets_its_own_token_folder(tmp_path, monkeypatch):
+    import openpretrain.tokenization as T
+    first = tokenize_into(tmp_path)
+    ours = T.our_tokenizers_dir()
+    other = json.loads((ours / "bpe-bal-8k" / "tokenizer.json").read_text())
+    vocab = other["model"]["vocab"]
+    a, b = (next(p for p, i in vocab.items() if i == k) for k in (500, 501))
+    vocab[a], vocab[b] = 501, 500                                        # same name, same size, other ids
+    (tmp_path / "ours" / "bpe-bal-8k").mkdir(parents=True)
+    (tmp_path / "ours" / "bpe-bal-8k" / "tokenizer.json").write_text(json.dumps(other))
+    monkeypatch.setattr(T, "our_tokenizers_dir", lambda: tmp_path / "ours")
+    assert tokenize_into(tmp_path) != first
+
+
+def test_a_token_folder_a_writer_left_without_its_record_is_never_read(tmp_path):
+    from openpretrain.training.data import TokenPool
+    out = tokenize_into(tmp_path)
+    (out / "done.json").unlink()                                 # a concurrent writer's folder before its record:
+    for f in (out / "de").iterdir():                             # its files opened, nothing written yet, its task
+        f.write_bytes(b"" if f.suffix != ".metadata" else f.read_bytes())   # already marked complete in its logs
+    assert (out / "logs" / "completions" / "00000").is_file()
+    assert len(TokenPool.open(tokenize_into(tmp_path) / "de").tokens) > 0
+
+
+CONCURRENT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_data import one_source_curriculum, tokenize_into
+tmp = Path({tmp!r})
+(tmp / f"ready-{{os.getpid()}}").touch()
+while len(list(tmp.glob("ready-*"))) < 2:          # both start tokenizing at the same moment
+    time.sleep(0.01)
+print(tokenize_into(tmp, one_source_curriculum("bible", "bible-kjv-text")))
+"""
+
+
+def test_two_cold_tokenizations_at_once_both_succeed_with_one_folder(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "cold.py"
+    script.write_text(CONCURRENT.format(tests=str(Path(__file__).parent), tmp=str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert len({o.strip() for o, _ in outs}) == 1 and not list((tmp_path / "tokens").glob(".*tmp*"))

@@ -63,7 +63,7 @@ def test_gini_rejects_invalid_costs(bad):
 
 class WordTokenizer:
     "One id per whitespace word (ids by first appearance): fertility must be exactly 1 on spaced scripts."
-    name, bos_id, eos_id = "words", None, None
+    name, bos_id, eos_id, fingerprint = "words", None, None, "words"
     def __init__(self, vocab_size=1000): self.vocab_size, self.ids = vocab_size, {}
     def encode(self, text): return [self.ids.setdefault(w, len(self.ids)) for w in text.split()]
     def encode_batch(self, texts): return [self.encode(t) for t in texts]
@@ -179,6 +179,7 @@ def test_gguf_conversion_tokenizes_like_the_original(tmp_path):
     write_gguf(tmp_path / "ggml-vocab-tiny.gguf", original)
     converted = gguf_to_hf(tmp_path / "ggml-vocab-tiny.gguf")
     texts = MULTILINGUAL + ["Ünïcödé ½ 🦙 <|endoftext|> tail", "", " ", "\n\n\n"]
+    original.encode_special_tokens = True       # the project's rule: "<|endoftext|>" in a text is text (HFTokenizer)
     assert converted.encode_batch(texts) == [original.encode(t, add_special_tokens=False).ids for t in texts]
     assert converted.vocab_size == original.get_vocab_size()
 
@@ -331,3 +332,36 @@ def test_load_tokenizer_reads_a_whole_preset_and_checks_its_vocab_size(tmp_path)
     bad.write_text("preset: bad\ntokenizer:\n  name: mistral-nemo\n  vocab_size: 1000\n")
     with pytest.raises(ValueError, match="vocab_size 1,000"):
         load_tokenizer(load_preset(bad))
+
+
+# --- text is text: a document's characters never become special ids (issue 17, cause 12) ---------------------
+
+def struck_document() -> str:
+    "The embedded train document with a literal `<s>` (a fortunes-de quotation: 'eines Volk<s>, nicht mehr')."
+    from openpretrain.corpus import load_embedded
+    texts = [t for t in load_embedded("train")["text"] if "<s>" in t]
+    assert texts, "the fortunes-de document with a literal <s> is no longer in the corpus"
+    return texts[0] + " </s>"                   # and its closing counterpart, which no document has
+
+
+@pytest.mark.parametrize("name", ["bpe-bal-8k", "bpe-en-2k", "mistral-nemo", "gpt-4 (cl100k)"])
+def test_literal_bod_and_eod_text_in_a_document_never_becomes_a_control_id(name):
+    tok = load_tokenizer(name)
+    text = struck_document()
+    controls = {i for i in (tok.bos_id, tok.eos_id) if i is not None}
+    assert not controls & set(tok.encode(text)) and not controls & set(tok.encode_batch([text])[0])
+
+
+def test_a_tokenizers_fingerprint_is_its_content_not_its_name(tmp_path):
+    original = load_tokenizer("bpe-bal-8k")
+    other = json.loads(original.tok.to_str())
+    vocab = other["model"]["vocab"]
+    a, b = (next(p for p, i in vocab.items() if i == k) for k in (500, 501))   # two ordinary pieces
+    vocab[a], vocab[b] = 501, 500                                      # swapped ids: same name and size
+    (tmp_path / "bpe-bal-8k").mkdir()
+    (tmp_path / "bpe-bal-8k" / "tokenizer.json").write_text(json.dumps(other))
+    from openpretrain.tokenization import HFTokenizer
+    changed = HFTokenizer.from_file(tmp_path / "bpe-bal-8k" / "tokenizer.json")
+    assert changed.name == original.name and changed.vocab_size == original.vocab_size
+    assert changed.fingerprint != original.fingerprint
+    assert load_tokenizer("bpe-bal-8k").fingerprint == original.fingerprint

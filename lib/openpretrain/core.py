@@ -29,10 +29,10 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'project_root', 'data_dir',
-           'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict',
-           'Preset', 'list_presets', 'load_preset', 'seed_everything', 'resolve_device', 'outputs_root', 'Artifacts',
-           'paper_vs_ours']
+__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'project_root',
+           'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded',
+           'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets', 'load_preset', 'seed_everything',
+           'resolve_device', 'outputs_root', 'Artifacts', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -119,8 +119,8 @@ def _coerce(tp, value, where: str):
         return float(value)
     if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}", where)
-    if tp is float and math.isnan(value):
-        raise ConfigError(f"{where}: NaN is not a valid value", where)
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{where}: {value} is not a valid value (NaN and infinities never are)", where)
     return value
 
 # %% ../../nbs/00_core.ipynb #4a73a6fe
@@ -192,23 +192,34 @@ RUN_KEYS = ("preset", "description", "seed", "device")
 MAX_DEPTH = 32  # nesting levels a preset may use (the deepest shipped one uses 4)
 
 class _PresetLoader(yaml.SafeLoader):
-    "SafeLoader without anchors or aliases, and with bounded nesting."
+    "SafeLoader without anchors or aliases, with bounded nesting and without duplicate keys."
     depth = 0
     def compose_node(self, parent, index):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            raise yaml.composer.ComposerError(None, None, "anchors and aliases are not allowed in presets",
+            raise yaml.composer.ComposerError(None, None, "anchors and aliases are not allowed",
                                               event.start_mark)
         if self.depth >= MAX_DEPTH:
             raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
         self.depth += 1
         try:
-            return super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
+        if isinstance(node, yaml.MappingNode):
+            _refuse_duplicate_keys(node)
+        return node
+
+def _refuse_duplicate_keys(node: yaml.MappingNode) -> None:
+    seen = set()
+    for key, _ in node.value:
+        if (key.tag, key.value) in seen:
+            raise yaml.composer.ComposerError(None, None, f"key {key.value!r} appears twice in one mapping",
+                                              key.start_mark)
+        seen.add((key.tag, key.value))
 
 # %% ../../nbs/00_core.ipynb #a16c316b
-def _read_yaml(path: Path) -> tuple[object, dict[str, int]]:
+def read_yaml(path: Path) -> tuple[object, dict[str, int]]:
     "The parsed file and the line of every mapping key (dotted path → 1-based line)."
     try:
         text = path.read_bytes().decode("utf-8")
@@ -268,6 +279,8 @@ class Preset:
 
 # %% ../../nbs/00_core.ipynb #9d128cec
 RUN_KEY_TYPES = {"preset": str, "description": str, "seed": int, "device": str}  # the run's identity, typed
+MAX_SEED = 2**63 - 1     # torch.manual_seed's range
+ARTIFACT_NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # names used as path parts: presets, `paper-vs-ours`
 
 def list_presets() -> list[str]:
     "Names of the presets shipped in `configs/`."
@@ -280,7 +293,7 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
         path = configs_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ConfigError(f"no preset '{name_or_path}' ({path} does not exist); presets: {', '.join(list_presets())}")
-    raw, lines = _read_yaml(path)
+    raw, lines = read_yaml(path)
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a preset is a mapping of sections, got {type(raw).__name__}")
@@ -290,10 +303,15 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
             raise ConfigError(f"{path}:{lines.get(str(key), '?')}: " + _unknown_key(key, "preset", valid).split(": ", 1)[1])
     for key, tp in RUN_KEY_TYPES.items():
         value = raw.get(key)
-        if key in raw and (not isinstance(value, tp) or isinstance(value, bool) or (key == "seed" and value < 0)):
-            raise ConfigError(f"{path}:{lines[key]}: {key}: expected a{' non-negative' * (key == 'seed')} "
-                              f"{tp.__name__}, got {value!r}", key)
-    return Preset(name=raw.get("preset", path.stem), path=path, raw=raw, lines=lines)
+        if key in raw and (not isinstance(value, tp) or isinstance(value, bool) or
+                           (key == "seed" and not 0 <= value <= MAX_SEED)):
+            expected = f"an int in [0, {MAX_SEED}]" if key == "seed" else f"a {tp.__name__}"
+            raise ConfigError(f"{path}:{lines[key]}: {key}: expected {expected}, got {value!r}", key)
+    name = raw.get("preset", path.stem)
+    if not ARTIFACT_NAME.fullmatch(name):
+        raise ConfigError(f"{path}:{lines.get('preset', 1)}: preset name {name!r} must be lower-case words joined by "
+                          "hyphens (it names the run's folders: runs/<name>, outputs/<name>)", "preset")
+    return Preset(name=name, path=path, raw=raw, lines=lines)
 
 # %% ../../nbs/00_core.ipynb #aa807c89
 def seed_everything(seed: int) -> None:
@@ -320,7 +338,6 @@ def outputs_root(root: str | os.PathLike = "outputs") -> Path:
     root = Path(os.environ.get("OPENPRETRAIN_OUTPUTS") or root)
     return root if root.is_absolute() else project_root() / root
 
-ARTIFACT_NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # `paper-vs-ours`, `fertility-per-word`
 CHAPTER_NAME = re.compile(r"[0-9]{2}[a-z]?_[a-z0-9_]+")  # a notebook stem: `05_tokenizers`, `04a_pipeline`
 
 # %% ../../nbs/00_core.ipynb #40050b9d

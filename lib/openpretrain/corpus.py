@@ -26,8 +26,8 @@ from .core import data_dir
 __all__ = ['FINEWEB_COLUMNS', 'DOC_COLUMNS', 'SPLITS', 'DOC_SCHEMA', 'ROBOTS_FETCHED', 'UDHR_SCHEMA', 'PROBE_SCHEMA',
            'ROBOTS_SCHEMA', 'CORPUS_FILES', 'BIBLE_BOOKS', 'VARIANT_FORMATS', 'FINEWEB_HUB', 'REPORT_AGENTS',
            'AI_USER_AGENTS', 'MAX_ROBOTS_BYTES', 'count_tokens', 'count_words', 'corpus_files', 'load_embedded',
-           'load_udhr', 'load_probes', 'load_robots_snapshot', 'format_passage', 'load_fineweb', 'CorpusConfig',
-           'load_corpus', 'dominant_script', 'cld2_to_iso3', 'identify_language', 'registrable_domain']
+           'column_values', 'load_udhr', 'load_probes', 'load_robots_snapshot', 'format_passage', 'load_fineweb',
+           'CorpusConfig', 'load_corpus', 'dominant_script', 'cld2_to_iso3', 'identify_language', 'registrable_domain']
 
 # %% ../../nbs/01_corpus.ipynb #eab95e8d
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "language", "language_score", "token_count")
@@ -141,6 +141,14 @@ def load_embedded(split: str = "train", languages: Iterable[str] | None = None,
         pairs = pc.binary_join_element_wise(table["language"], table["language_script"], "_")
         table = table.filter(pc.or_(pc.is_in(table["language"], keep), pc.is_in(pairs, keep)))
     return datasets.Dataset(table)
+
+# %% ../../nbs/01_corpus.ipynb #d24e52ac
+def column_values(column: str, split: str = "train", root: str | os.PathLike | None = None) -> set[str]:
+    "The distinct values (as strings) of one document column of a corpus split."
+    if column not in DOC_COLUMNS:
+        raise ValueError(f"unknown document column '{column}'; columns: {', '.join(DOC_COLUMNS)}")
+    (path,) = corpus_files(split, root)
+    return {str(v) for v in pq.read_table(path, columns=[column]).column(column).unique().to_pylist()}
 
 # %% ../../nbs/01_corpus.ipynb #e33fdaae
 def load_udhr(root: str | os.PathLike | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import hashlib
 import json
 import os
 import subprocess
@@ -43,7 +44,8 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
-    def encode(self, text: str) -> list[int]: ...
+    fingerprint: str                  # sha256 of the vocabulary's content (what a token-id cache is keyed by)
+    def encode(self, text: str) -> list[int]: ...   # ids of the text as text: never a special id
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
 def _threads() -> int:
@@ -56,8 +58,13 @@ class HFTokenizer:
     name: str
     tok: object = field(repr=False)   # tokenizers.Tokenizer
 
+    def __post_init__(self):
+        self.tok.encode_special_tokens = True   # "<s>" in a text is text, not the BoD id
+
     @property
     def vocab_size(self) -> int: return self.tok.get_vocab_size(with_added_tokens=True)
+    @property
+    def fingerprint(self) -> str: return hashlib.sha256(self.tok.to_str().encode()).hexdigest()
     @property
     def bos_id(self) -> int | None: return self.tok.token_to_id("<s>")
     @property
@@ -86,6 +93,12 @@ class TiktokenTokenizer:
 
     @property
     def vocab_size(self) -> int: return self.offset + self.enc.n_vocab + self.n_special
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"{self.offset} {self.n_special}".encode())
+        for token in self.enc.token_byte_values():
+            h.update(len(token).to_bytes(4, "little") + token)
+        return h.hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -109,6 +122,8 @@ class SentencePieceTokenizer:
 
     @property
     def vocab_size(self) -> int: return self.sp.get_piece_size()
+    @property
+    def fingerprint(self) -> str: return hashlib.sha256(self.sp.serialized_model_proto()).hexdigest()
     @property
     def bos_id(self) -> int | None: return self.sp.bos_id() if self.sp.bos_id() >= 0 else None
     @property
@@ -352,7 +367,6 @@ class TokenizerConfig:
         for key, value, valid in (("unit", self.unit, ("bytes", "chars")), ("cost", self.cost, ("text", "bytes", "chars"))):
             if value not in valid:
                 raise ConfigError(f"tokenizer.{key} must be one of {', '.join(valid)}, got {value!r}")
-
 
 # %% ../../nbs/05_tokenizers.ipynb #bec79bb0
 def available_tokenizers(cache_dir: str | os.PathLike | None = None) -> list[str]:

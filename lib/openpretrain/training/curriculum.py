@@ -15,9 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from ..core import ConfigError, configs_dir, from_dict
+from ..core import ConfigError, configs_dir, from_dict, read_yaml
 
 UNITS = {"tokens": 1, "B": 10**9, "T": 10**12}  # how a curriculum writes token counts
 
@@ -96,7 +95,8 @@ def load_curriculum(name_or_path: str | os.PathLike) -> Curriculum:
     if not path.is_file():
         known = sorted(p.stem for p in (configs_dir() / "curricula").glob("*.yaml"))
         raise ConfigError(f"no curriculum '{name_or_path}' ({path}); curricula: {', '.join(known)}")
-    return validate(from_dict(Curriculum, yaml.safe_load(path.read_text()), f"curriculum {path.stem}"))
+    raw, _ = read_yaml(path)          # as presets are read: no aliases, no duplicate keys, errors name the line
+    return validate(from_dict(Curriculum, raw, f"curriculum {path.stem}"))
 
 def validate(c: Curriculum) -> Curriculum:
     "Check budgets, weights and sources; fills `tokens` from start/end. Raises ConfigError naming the key."

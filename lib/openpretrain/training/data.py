@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,25 +24,26 @@ from datatrove.pipeline.base import PipelineStep
 from fastcore.basics import patch
 from torch import Tensor
 
-from ..core import ConfigError, outputs_root, project_root
+from ..core import ConfigError, bounded, outputs_root, project_root, sha256_file
 from ..tokenization import TokenizerConfig, load_tokenizer
 from .curriculum import (Curriculum, SourceSpec, pool_identity, run_stages, stage_tokens,
                                               stage_weights)
 
 # %% auto #0
-__all__ = ['DataConfig', 'input_documents', 'TokenizeSources', 'tokenize_curriculum', 'TokenPool', 'token_pools', 'row_counts',
-           'StagePlan', 'stage_counts', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted', 'TokenLoader',
-           'accounting_table', 'phase_table']
+__all__ = ['DONE', 'DataConfig', 'input_documents', 'TokenizeSources', 'TokenCacheError', 'tokenize_curriculum',
+           'embedded_sources', 'check_token_folder', 'TokenPool', 'token_pools', 'row_counts', 'StagePlan',
+           'stage_counts', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted', 'TokenLoader', 'accounting_table',
+           'phase_table']
 
 # %% ../../../nbs/08_data.ipynb #fa17c6da
 @dataclass(kw_only=True)
 class DataConfig:
     curriculum: str = "apertus-8b"  # configs/curricula/<name>.yaml (Apertus 8B: stages 1, 3, 4, 5)
-    seq_len: int = 4096             # tokens per packed row (Apertus: 4,096; Soofi: 8,192)
+    seq_len: int = bounded(4096, 1)  # tokens per packed row (Apertus: 4,096; Soofi: 8,192)
     input: str = "auto"             # auto: compliance kept output if present, else embedded | embedded | a JSONL folder
     token_dir: str | None = None    # token files; None → <checkout>/.cache/tokens
-    tasks: int = 1                  # datatrove tasks that tokenize (max_documents applies per task)
-    workers: int = 1                # datatrove worker processes
+    tasks: int = bounded(1, 1)      # datatrove tasks that tokenize (max_documents applies per task)
+    workers: int = bounded(1, 1)    # datatrove worker processes
 
 def input_documents(config: DataConfig, preset: str) -> tuple[str, str]:
     "(path, format) of the documents to tokenize: the compliance kept folder, a JSONL folder, or the corpus Parquet."
@@ -118,30 +121,72 @@ def _selected(doc, s: SourceSpec) -> bool:
     return all(str(doc.metadata.get(col)) in set(map(str, allowed)) for col, allowed in (s.select or {}).items())
 
 # %% ../../../nbs/08_data.ipynb #87d16b17
+class TokenCacheError(RuntimeError):
+    "A token folder whose files do not match what was written (truncated, deleted, replaced)."
+
+DONE = "done.json"  # a token folder's record: input, token counts, and every file's size and sha256
+
 def tokenize_curriculum(curriculum: Curriculum, config: DataConfig, tokenizer: TokenizerConfig,
                         preset: str = "tiny", token_dir: str | os.PathLike | None = None) -> Path:
-    "Tokenize every embedded source of the curriculum (once; cached by fingerprint); returns the token folder."
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.readers import JsonlReader, ParquetReader
-    from openpretrain.core import sha256_file
+    "The token folder of the curriculum's embedded sources: reused when its record still holds, else tokenized anew."
+    sources = embedded_sources(curriculum)
+    path, fmt = input_documents(config, preset)
+    files = sorted(Path(path).rglob("*.jsonl*")) if fmt == "jsonl" else [Path(path)]
+    key = json.dumps([[sha256_file(f) for f in files], tokenizer.name, tokenizer.vocab_size,
+                      load_tokenizer(tokenizer).fingerprint, config.tasks, [[s.name, pool_identity(s)] for s in sources]])
+    out = Path(token_dir or config.token_dir or project_root() / ".cache" / "tokens")
+    out = out / f"{curriculum.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / DONE).is_file():
+        try:
+            check_token_folder(out)
+            return out
+        except TokenCacheError as e:
+            print(f"token cache {out}: {e}; tokenizing again", file=sys.stderr)
+    shutil.rmtree(out, ignore_errors=True)    # damaged, or a folder without its record (an earlier writer's, cut off)
+    return _tokenize(path, fmt, sources, config, tokenizer, out)
+
+def embedded_sources(curriculum: Curriculum) -> list[SourceSpec]:
+    "The curriculum's distinct sources, all of the embedded corpus (hub datasets are not tokenized offline)."
     sources = list({s.name: s for st in curriculum.stages for s in st.sources}.values())
     if external := [f"{s.name} ({s.dataset})" for s in sources if s.dataset != "embedded"]:
         raise ConfigError(f"curriculum {curriculum.name}: sources {', '.join(external[:3])}{' …' if len(external) > 3 else ''} "
                           "are hub datasets; only embedded sources are tokenized offline")
-    path, fmt = input_documents(config, preset)
-    files = sorted(Path(path).rglob("*.jsonl*")) if fmt == "jsonl" else [Path(path)]
-    key = json.dumps([[sha256_file(f) for f in files], tokenizer.name, tokenizer.vocab_size, config.tasks,
-                      [[s.name, pool_identity(s)] for s in sources]])
-    out = Path(token_dir or config.token_dir or project_root() / ".cache" / "tokens")
-    out = out / f"{curriculum.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (out / "done.json").is_file():
-        return out
+    return sources
+
+# %% ../../../nbs/08_data.ipynb #f902f8bf
+def _tokenize(path: str, fmt: str, sources: list[SourceSpec], config: DataConfig, tokenizer: TokenizerConfig,
+              out: Path) -> Path:
+    "Tokenize into a private temporary folder, record its files, rename it to `out` (a concurrent run's may win)."
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
     reader = (ParquetReader(str(path)) if fmt == "parquet" else JsonlReader(path, glob_pattern="*.jsonl*"))
-    LocalPipelineExecutor([reader, TokenizeSources(str(out), sources, tokenizer)], tasks=config.tasks,
-                          workers=config.workers, logging_dir=str(out / "logs")).run()
-    counts = {s.name: int(TokenPool.open(out / s.name).tokens.shape[0]) for s in sources}
-    (out / "done.json").write_text(json.dumps({"input": str(path), "tokens": counts}, indent=1))
+    LocalPipelineExecutor([reader, TokenizeSources(str(tmp), sources, tokenizer)], tasks=config.tasks,
+                          workers=config.workers, logging_dir=str(tmp / "logs")).run()
+    counts = {s.name: int(TokenPool.open(tmp / s.name).tokens.shape[0]) for s in sources}
+    files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(tmp.rglob("*")) if p.is_file() and p.relative_to(tmp).parts[0] != "logs"}
+    (tmp / DONE).write_text(json.dumps({"input": str(path), "tokens": counts, "files": files}, indent=1))
+    try:
+        os.rename(tmp, out)
+    except OSError:                       # another run renamed the same tokenization into place first
+        shutil.rmtree(tmp)
+        check_token_folder(out)
     return out
+
+def check_token_folder(folder: Path) -> None:
+    "Raise `TokenCacheError` unless every file of the folder's record is there with its size and sha256."
+    try:
+        files = json.loads((folder / DONE).read_text())["files"]
+    except (json.JSONDecodeError, KeyError, OSError) as e:
+        raise TokenCacheError(f"its {DONE} is unreadable or lists no files ({e})") from None
+    for name, f in files.items():
+        p = folder / name
+        if not p.is_file():
+            raise TokenCacheError(f"{name} is missing")
+        if p.stat().st_size != f["bytes"] or sha256_file(p) != f["sha256"]:
+            raise TokenCacheError(f"{name} is not the file that was written (size or sha256 differ)")
 
 # %% ../../../nbs/08_data.ipynb #97fb502d
 @dataclass
@@ -156,13 +201,12 @@ class TokenPool:
         folder = Path(folder)
         parts = sorted(folder.glob("*.ds"))
         if not parts:
-            raise FileNotFoundError(f"{folder}: no .ds token files")
+            raise TokenCacheError(f"{folder}: no .ds token files")
         toks, ends, offset = [], [], 0
         for p in parts:
-            dtype = np.uint32 if "|4" in (p.parent / f"{p.name}.metadata").read_text().splitlines()[0] else np.uint16
-            t = np.memmap(p, dtype=dtype, mode="r") if p.stat().st_size else np.zeros(0, dtype)
+            t, e = _read_part(p)                            # (n,) tokens, (d,) document ends
             toks.append(t)
-            ends.append(np.fromfile(f"{p}.index", dtype="<u8").astype(np.int64) + offset)
+            ends.append(e + offset)
             offset += len(t)
         if offset == 0:
             raise ConfigError(f"source {folder.name}: its selection matched no document")
@@ -173,6 +217,23 @@ class TokenPool:
         "The documents as stored, BoD … EoD each."
         starts = np.concatenate([[0], self.ends[:-1]])
         return [np.asarray(self.tokens[a:b]) for a, b in zip(starts, self.ends)]
+
+# %% ../../../nbs/08_data.ipynb #57a90448
+def _read_part(p: Path) -> tuple[np.ndarray, np.ndarray]:
+    "One task's token file and document ends, refused with the file named when they do not fit together."
+    meta = p.parent / f"{p.name}.metadata"
+    if not meta.is_file() or not Path(f"{p}.index").is_file():
+        raise TokenCacheError(f"{p}: its .metadata or .index file is missing")
+    dtype = np.uint32 if "|4" in meta.read_text().splitlines()[0] else np.uint16
+    size, index_size = p.stat().st_size, Path(f"{p}.index").stat().st_size
+    if size % np.dtype(dtype).itemsize or index_size % 8:
+        raise TokenCacheError(f"{p}: {size:,} bytes of {np.dtype(dtype).itemsize}-byte ids (index {index_size:,} bytes) "
+                              "are not whole ids: a truncated file")
+    tokens = np.memmap(p, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    ends = np.fromfile(f"{p}.index", dtype="<u8").astype(np.int64)
+    if len(ends) and (ends[-1] != len(tokens) or (np.diff(ends) <= 0).any()):
+        raise TokenCacheError(f"{p}: its index does not end at its {len(tokens):,} tokens")
+    return tokens, ends
 
 # %% ../../../nbs/08_data.ipynb #23b3341a
 def token_pools(curriculum: Curriculum, config: DataConfig, tokenizer: TokenizerConfig, preset: str = "tiny",

@@ -16,11 +16,11 @@ import torch
 from fastcore.basics import patch
 from torch import Tensor, nn
 
-from ..core import ConfigError
+from ..core import ConfigError, bounded
 
 # %% auto #0
-__all__ = ['HALF_LIFE_EPS', 'SHAPES', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix', 'decays',
-           'param_groups', 'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments',
+__all__ = ['HALF_LIFE_EPS', 'SHAPES', 'OPTIMIZERS', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix',
+           'decays', 'param_groups', 'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments',
            'OptimConfig', 'Schedule', 'build_optimizer']
 
 # %% ../../../nbs/10_optim.ipynb #5e703dad
@@ -115,8 +115,8 @@ SHAPES = {  # progress s ∈ [0, 1] → share of (start − end) still left
 @dataclass(kw_only=True)
 class StageConfig:
     name: str = ""            # label of the stage (Soofi: Table 2's stage names)
-    length: float = 0.0       # in the schedule's unit (steps | tokens)
-    to: float = 1.0           # learning rate at the end, as a fraction of the peak
+    length: float = bounded(0.0, 0)  # in the schedule's unit (steps | tokens)
+    to: float = bounded(1.0, 0)      # learning rate at the end, as a fraction of the peak
     shape: str = "linear"     # linear | 1-sqrt | cosine | constant (Soofi decays: minus_sqrt = 1-sqrt)
 
 def segment_lr(start: float, end: float, shape: str, s: float) -> float:
@@ -128,12 +128,12 @@ def segment_lr(start: float, end: float, shape: str, s: float) -> float:
 class ScheduleConfig:
     kind: str = "wsd"            # wsd (warm-up, stable, decay) | stages (explicit segments, Soofi Table 2)
     unit: str = "tokens"         # what warmup/decay/total and stage lengths count: tokens | steps (Apertus: tokens)
-    warmup: float = 16.8e9       # warm-up length (Apertus: 16.8B tokens)
-    warmup_start: float = 0.1    # lr at step 0 as a fraction of the peak (Apertus: 10 %; Megatron/Soofi: 0)
-    total: float = 15e12         # wsd: schedule length (Apertus-8B: 15T tokens; 70B: 15T)
-    decay: float = 1.5e12        # wsd: decay length at the end (Apertus: 1.5T, 13.5T → 15T)
+    warmup: float = bounded(16.8e9, 0)  # warm-up length (Apertus: 16.8B tokens)
+    warmup_start: float = bounded(0.1, 0)  # lr at step 0 as a fraction of the peak (Apertus: 10 %; Megatron/Soofi: 0)
+    total: float = bounded(15e12, 0)  # wsd: schedule length (Apertus-8B: 15T tokens; 70B: 15T)
+    decay: float = bounded(1.5e12, 0)  # wsd: decay length at the end (Apertus: 1.5T, 13.5T → 15T)
     decay_shape: str = "1-sqrt"  # wsd: 1-sqrt | linear | cosine (Apertus: 1-sqrt)
-    end: float = 0.1             # wsd: final lr as a fraction of the peak (Apertus: 10 %)
+    end: float = bounded(0.1, 0)  # wsd: final lr as a fraction of the peak (Apertus: 10 %)
     stages: list[StageConfig] = field(default_factory=list)  # stages: segments in order
 
 def schedule_segments(c: ScheduleConfig) -> list[StageConfig]:
@@ -153,18 +153,29 @@ def schedule_segments(c: ScheduleConfig) -> list[StageConfig]:
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = "ademamix"       # ademamix | adamw (Apertus: AdEMAMix; Soofi S: AdamW)
-    lr: float = 1.1e-4           # peak learning rate (Apertus-8B: 1.1e-4; 70B: 1e-5; Soofi: 1e-3)
+    lr: float = bounded(1.1e-4, 0)  # peak learning rate (Apertus-8B: 1.1e-4; 70B: 1e-5; Soofi: 1e-3)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999, 0.9999])  # β1, β2, β3 (Apertus: 0.9, 0.999, 0.9999); AdamW uses β1, β2
-    alpha: float = 8.0           # weight of the slow EMA (Apertus: 8)
-    t_alpha: int | None = 100_000  # α warm-up steps, None = off (Apertus: 100,000)
-    t_beta3: int | None = 100_000  # β3 warm-up steps, None = off (Apertus: 100,000)
-    eps: float = 1e-8            # (Apertus: 1e-8)
-    weight_decay: float = 0.1    # decoupled, matrices only (Apertus: 0.1)
-    clip: float | None = 0.1     # max global gradient norm, None = off (Apertus: 0.1)
-    batch_size: int = 1024       # sequences per optimizer step at the start (8B: 1,024 × 4,096 = 4.2M tokens)
+    alpha: float = bounded(8.0, 0)  # weight of the slow EMA (Apertus: 8)
+    t_alpha: int | None = bounded(100_000, 1)  # α warm-up steps, None = off (Apertus: 100,000)
+    t_beta3: int | None = bounded(100_000, 1)  # β3 warm-up steps, None = off (Apertus: 100,000)
+    eps: float = bounded(1e-8, 0)  # (Apertus: 1e-8)
+    weight_decay: float = bounded(0.1, 0)  # decoupled, matrices only (Apertus: 0.1)
+    clip: float | None = bounded(0.1, 0)  # max global gradient norm, None or 0 = off (Apertus: 0.1)
+    batch_size: int = bounded(1024, 1)  # sequences per optimizer step at the start (8B: 1,024 × 4,096 = 4.2M tokens)
     batch_increase_at: list[float] = field(default_factory=lambda: [7e12])  # tokens at which the batch grows (8B: 7T)
     batch_increase_to: list[int] = field(default_factory=lambda: [2048])    # new batch sizes (8B: 2,048 = 8.4M tokens)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)       # learning-rate schedule
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.name: unknown optimiser '{self.name}'; use {' | '.join(OPTIMIZERS)}", "optim.name")
+        if len(self.betas) != OPTIMIZERS[self.name] or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas: {self.name} takes {OPTIMIZERS[self.name]} betas in [0, 1), got "
+                              f"{self.betas}", "optim.betas")
+        if any(t < 0 for t in self.batch_increase_at) or any(b < 1 for b in self.batch_increase_to):
+            raise ConfigError("optim.batch_increase_at/_to: token counts ≥ 0 and batch sizes ≥ 1", "optim.batch_increase_at")
+
+OPTIMIZERS = {"ademamix": 3, "adamw": 2}  # name → betas it takes (AdamW: β1, β2)
 
 # %% ../../../nbs/10_optim.ipynb #11e9ba26
 class Schedule:
@@ -237,8 +248,6 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimi
     if c.name == "ademamix":
         return AdEMAMix(groups, lr=c.lr, betas=tuple(c.betas), alpha=c.alpha, t_alpha=c.t_alpha, t_beta3=c.t_beta3,
                         eps=c.eps, weight_decay=c.weight_decay)
-    if c.name == "adamw":
-        fused = all(p.is_cuda for g in groups for _, p in g["params"])
-        return torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas[:2]), eps=c.eps, weight_decay=c.weight_decay,
-                                 fused=fused or None)
-    raise ConfigError(f"optim.name: unknown optimiser '{c.name}'; use ademamix | adamw")
+    fused = all(p.is_cuda for g in groups for _, p in g["params"])               # adamw (the config checked the name)
+    return torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+                             fused=fused or None)

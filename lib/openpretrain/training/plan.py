@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..core import ConfigError, Preset, load_preset
+from ..corpus import column_values
 from ..models.registry import ModelConfig, context_limit, model_config
-from ..tokenization import TokenizerConfig
+from ..tokenization import TokenizerConfig, load_tokenizer
 from .checkpoint import FORMATS
 from .curriculum import Curriculum, load_curriculum
 from .data import DataConfig, TokenLoader, token_pools
@@ -20,7 +21,8 @@ from .goldfish import GoldfishConfig
 from .optim import OptimConfig, Schedule
 
 # %% auto #0
-__all__ = ['TrainConfig', 'Plan', 'plan', 'check_data_budget', 'token_loader']
+__all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections', 'check_data_budget',
+           'token_loader']
 
 # %% ../../../nbs/10b_plan.ipynb #107d5713
 @dataclass(kw_only=True)
@@ -68,22 +70,61 @@ class Plan:
 def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1) -> Plan:
     "Read and cross-check a preset's sections; every mistake is a `ConfigError` naming the key, before any compute."
     p = preset if isinstance(preset, Preset) else load_preset(preset)
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError(f"{p.name}: max_steps must be ≥ 1, got {max_steps}")
     train, model, tok = p.section("train", TrainConfig), model_config(p), p.section("tokenizer", TokenizerConfig)
     data, optim, goldfish = p.section("data", DataConfig), p.section("optim", OptimConfig), p.section("goldfish", GoldfishConfig)
+    check_inputs(p.name, tok, model, data)
     schedule = Schedule(optim, data.seq_len)
-    if tok.vocab_size != model.vocab_size:
-        raise ConfigError(f"{p.name}: tokenizer '{tok.name}' has vocab_size {tok.vocab_size:,} but model.vocab_size "
-                          f"is {model.vocab_size:,}; they must be equal")
-    if (limit := context_limit(model)) is not None and data.seq_len > limit:
-        raise ConfigError(f"{p.name}.data.seq_len {data.seq_len:,} exceeds model.max_seq_len {limit:,}")
     steps = min(schedule.total_steps, max_steps or schedule.total_steps)
-    for size in {schedule.batch_size_at(s) for s in (0, steps - 1)} | {ph[2] for ph in schedule.phases}:
-        if size % (train.micro_batch * world_size):
-            raise ConfigError(f"{p.name}.optim: batch of {size} sequences is not a multiple of train.micro_batch "
-                              f"{train.micro_batch} × {world_size} processes")
+    check_batches(p.name, train, schedule, steps, world_size)
     curriculum = load_curriculum(data.curriculum)
+    check_selections(p.name, curriculum, data)
     check_data_budget(p.name, data, curriculum, schedule, steps)
     return Plan(p, train, model, tok, data, curriculum, optim, goldfish, schedule, world_size, steps)
+
+# %% ../../../nbs/10b_plan.ipynb #a5ed77ac
+def check_inputs(name: str, tok: TokenizerConfig, model: ModelConfig, data: DataConfig) -> None:
+    "The tokenizer loads, with the model's vocabulary and document markers; rows fit the model's context."
+    if tok.vocab_size != model.vocab_size:
+        raise ConfigError(f"{name}: tokenizer '{tok.name}' has vocab_size {tok.vocab_size:,} but model.vocab_size "
+                          f"is {model.vocab_size:,}; they must be equal")
+    try:
+        loaded = load_tokenizer(tok)                        # checks the file's own vocabulary against the preset's
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{name}.tokenizer: {e}") from None
+    if loaded.bos_id is None or loaded.eos_id is None:
+        raise ConfigError(f"{name}.tokenizer: '{tok.name}' has no {tok.bod} / {tok.eod} tokens to mark documents with")
+    if (limit := context_limit(model)) is not None and data.seq_len > limit:
+        raise ConfigError(f"{name}.data.seq_len {data.seq_len:,} exceeds model.max_seq_len {limit:,}")
+
+# %% ../../../nbs/10b_plan.ipynb #df0ef753
+def check_batches(name: str, train: TrainConfig, schedule: Schedule, steps: int, world_size: int) -> None:
+    "At least one step, and every batch size of the schedule a whole number of micro-batches × processes."
+    if steps < 1:
+        raise ConfigError(f"{name}.optim.schedule spans no whole optimizer step")
+    for size in {schedule.batch_size_at(s) for s in (0, steps - 1)} | {ph[2] for ph in schedule.phases}:
+        if size % (train.micro_batch * world_size):
+            raise ConfigError(f"{name}.optim: batch of {size} sequences is not a multiple of train.micro_batch "
+                              f"{train.micro_batch} × {world_size} processes")
+
+# %% ../../../nbs/10b_plan.ipynb #80db073e
+def check_selections(name: str, curriculum: Curriculum, data: DataConfig) -> None:
+    "Every value an embedded source selects occurs in the embedded corpus (checked when the input is the corpus)."
+    if data.input not in ("auto", "embedded"):
+        return
+    known: dict[str, set[str]] = {}
+    for st in curriculum.stages:
+        for s in (s for s in st.sources if s.dataset == "embedded"):
+            for column, allowed in s.select.items():
+                if column not in known:
+                    try:
+                        known[column] = column_values(column)
+                    except ValueError as e:
+                        raise ConfigError(f"{name}: curriculum {curriculum.name}, source {s.name}: {e}") from None
+                if missing := [v for v in allowed if str(v) not in known[column]]:
+                    raise ConfigError(f"{name}: curriculum {curriculum.name}, stage {st.name}, source {s.name}: "
+                                      f"no embedded document has {column} = {', '.join(map(str, missing))}")
 
 # %% ../../../nbs/10b_plan.ipynb #e07cb155
 def check_data_budget(name: str, data: DataConfig, curriculum: Curriculum, schedule: Schedule, steps: int) -> None:
