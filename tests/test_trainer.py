@@ -146,7 +146,7 @@ def test_single_process_sharded_checkpoint_resumes_bit_for_bit(tmp_path):
 
 
 def test_interrupted_checkpoint_write_is_never_loaded(tmp_path):
-    write_checkpoint(tmp_path, 1, {"state.json": {"step": 1}})
+    write_checkpoint(tmp_path, 1, {"state.json": {"step": 1, "format": "full", "fingerprint": {}}})
     partial = tmp_path / "step-00000002"                     # a folder without its manifest, as a crash leaves
     partial.mkdir()
     (partial / "state.json").write_text("{}")
@@ -365,3 +365,149 @@ def test_the_trainer_reaches_the_architectures_only_through_the_registry():
                if "models" in (n.module or "")} | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
                                                     for a in n.names if "models" in a.name}
     assert reached == {"models.registry"}, reached
+
+
+# --- checkpoints and run folders under hostile input (issue 17, causes 1, 4, 5, 6, 7, 10) --------------------
+
+def reseal(folder: Path) -> None:
+    "Record the folder's files in its manifest anew: a damage that hashes cannot show."
+    from openpretrain.core import sha256_file
+    (folder / "manifest.json").write_text(json.dumps({p.relative_to(folder).as_posix(): sha256_file(p)
+                                                      for p in sorted(folder.rglob("*"))
+                                                      if p.is_file() and p.name != "manifest.json"}))
+
+
+class Marker:
+    "A pickle that, when loaded, creates a file: what a crafted dcp/.metadata would do instead."
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_crafted_dcp_metadata_never_runs_code_on_eval_or_resume(tmp_path, sealed, capsys):
+    import pickle
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    run(preset, tmp_path / "run", 2)
+    ckpt, marker = tmp_path / "run" / "checkpoints" / "step-00000002", tmp_path / "pwned"
+    (ckpt / "dcp").mkdir()
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(Marker(marker)))
+    if sealed:                                    # even a checkpoint sealed over it, and recorded as sharded
+        state = json.loads((ckpt / "state.json").read_text())
+        (ckpt / "state.json").write_text(json.dumps({**state, "format": "sharded"}))
+        reseal(ckpt)
+    with pytest.raises(CheckpointError):
+        load_model(model_config(load_preset(preset)), ckpt)
+    with pytest.raises(CheckpointError, match="refusing to start over"):
+        run(preset, tmp_path / "run", 4, resume=True)
+    assert not marker.exists()
+
+
+def test_a_second_run_on_a_locked_run_folder_fails_at_once_naming_the_holder(tmp_path):
+    from openpretrain.core import FolderInUse, folder_lock
+    preset = write_preset(tmp_path)
+    with folder_lock(tmp_path / "run", "training run"):
+        with pytest.raises(FolderInUse, match=r"in use by another training run \(pid"):
+            run(preset, tmp_path / "run", 2)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_loses_nothing(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    first = losses(run(preset, tmp_path / "run", 3))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run(preset, tmp_path / "run", 6)
+    assert losses(tmp_path / "run" / "metrics.jsonl") == first
+
+
+def test_resume_when_no_checkpoint_verifies_is_refused_not_a_silent_restart(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    first = losses(run(preset, tmp_path / "run", 4))
+    for ckpt in checkpoints(tmp_path / "run" / "checkpoints"):
+        (ckpt / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(CheckpointError, match="none of the 2 checkpoints"):
+        run(preset, tmp_path / "run", 4, resume=True)
+    assert losses(tmp_path / "run" / "metrics.jsonl") == first
+
+
+def test_prune_leaves_a_live_writers_temporary_folder_and_removes_a_dead_ones(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=1, keep_last=1)
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live, gone = root / f".tmp-step-00000009-{os.getppid()}", root / f".tmp-step-00000009-{dead.stdout.strip()}"
+    live.mkdir(), gone.mkdir()
+    run(preset, tmp_path / "run", 2)
+    assert live.is_dir() and not gone.exists()
+
+
+def test_a_checkpoint_of_another_model_or_seed_is_refused_and_this_runs_previous_one_used(tmp_path, capsys):
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    reference = losses(run(preset, tmp_path / "reference", 6))
+    run(preset, tmp_path / "run", 4)
+    wide = write_preset(tmp_path, name="wide")
+    wide_raw = yaml.safe_load(wide.read_text())
+    wide_raw["model"]["d_model"], wide_raw["seed"] = 64, 1
+    wide.write_text(yaml.safe_dump(wide_raw))
+    run(wide, tmp_path / "other", 6)
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-00000006", tmp_path / "run" / "checkpoints" / "step-00000006")
+    assert losses(run(preset, tmp_path / "run", 6, resume=True)) == reference         # step 6 refused, 4 used
+    assert "written by another run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("half", "model is torch.float32"),
+    ("int8", "model is torch.float32"),
+    ("optimizer shape", "does not fit parameter"),
+    ("crafted header", "unreadable safetensors header"),
+])
+def test_a_resealed_checkpoint_that_does_not_fit_the_model_is_refused_not_cast(tmp_path, damage, problem):
+    from safetensors.torch import load_file, save_file
+    preset = write_preset(tmp_path, checkpoint_every=2)
+    run(preset, tmp_path / "run", 2)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    weights, optim = load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "optimizer.safetensors"))
+    if damage in ("half", "int8"):
+        save_file({k: v.half() if damage == "half" else v.to(torch.int8) for k, v in weights.items()},
+                  str(ckpt / "model.safetensors"))
+    elif damage == "optimizer shape":
+        save_file({k: v[:1] if v.ndim else v for k, v in optim.items()}, str(ckpt / "optimizer.safetensors"))
+    else:
+        (ckpt / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b'{"w": ')
+    reseal(ckpt)
+    with pytest.raises(CheckpointError, match=problem.replace("model is", "the model's is") if "model is" in problem else problem):
+        load_model(model_config(load_preset(preset)), ckpt) if damage != "optimizer shape" else \
+            verify_checkpoint(ckpt, model=trainer.registry.build_model(model_config(load_preset(preset))))
+
+
+def test_an_overflowing_step_is_never_sealed_as_the_last_good_checkpoint(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=1)
+    raw = yaml.safe_load(preset.read_text())
+    raw["optim"].update(lr=1e40, clip=0.0, weight_decay=0.0)     # finite knobs whose first step overflows fp32
+    preset.write_text(yaml.safe_dump(raw))
+    with pytest.raises(NonFiniteError, match="weights are not finite after the optimizer step.*last verified checkpoint: none"):
+        run(preset, tmp_path / "run", 3)
+    assert checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+def test_stray_names_in_the_checkpoint_folder_are_ignored_by_resume_and_prune(tmp_path):
+    preset = write_preset(tmp_path, checkpoint_every=2, keep_last=1)
+    reference = losses(run(preset, tmp_path / "reference", 6))
+    run(preset, tmp_path / "run", 4)
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-00000006.bak").mkdir()
+    (root / "notes.txt").write_text("kept by a person")
+    assert losses(run(preset, tmp_path / "run", 6, resume=True)) == reference
+    assert (root / "step-00000006.bak").is_dir() and (root / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize("out", ["file", "under-file", "/proc/openpretrain-run", "long"])
+def test_a_bad_out_path_is_one_line_and_exit_2(tmp_path, capsys, out):
+    (tmp_path / "f").write_text("a file")
+    path = {"file": tmp_path / "f", "under-file": tmp_path / "f" / "run", "/proc/openpretrain-run": Path(out),
+            "long": tmp_path / ("x" * 300)}[out]
+    assert main(["--preset", str(write_preset(tmp_path)), "--out", str(path), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("openpretrain train: --out")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,19 +19,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ..core import sha256_file
+from ..core import sha256_file, to_dict
 from ..models.registry import build_model, to_hf
 
 # %% auto #0
-__all__ = ['MANIFEST', 'FORMATS', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal', 'verify_checkpoint',
-           'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'checkpoint_format', 'split_optimizer',
-           'join_optimizer', 'run_files', 'capture_state', 'save_sharded', 'save_checkpoint', 'read_tensors',
-           'restore_state', 'agreed_checkpoint', 'load_model', 'consolidated_weights', 'export_hf']
+__all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal',
+           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'checkpoint_format',
+           'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded', 'save_checkpoint',
+           'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint', 'load_model',
+           'consolidated_weights', 'export_hf']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -49,7 +54,7 @@ def write_checkpoint(root: Path, step: int, files: dict[str, dict[str, Tensor] |
     return seal(tmp, root / f"step-{step:08d}")
 
 def temp_folder(root: Path, step: int) -> Path:
-    "An empty temporary folder for `step`'s checkpoint; one a crash left behind is pruned later."
+    "An empty temporary folder for `step`'s checkpoint, named by this process; one a crash left behind is pruned later."
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -77,47 +82,107 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 # %% ../../../nbs/10a_checkpoint.ipynb #42cc3700
-def verify_checkpoint(path: Path) -> None:
-    "Raise `CheckpointError` unless every file the manifest lists exists with its recorded sha256."
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST} (an interrupted write?)")
-    try:
-        expected = json.loads(manifest.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON ({e})") from None
-    for name, digest in expected.items():
+FORMATS = ("auto", "full", "sharded")  # train.checkpoint_format; a written checkpoint records full | sharded
+STATE = "state.json"
+
+def verify_checkpoint(path: Path, expected: dict | None = None, model: nn.Module | None = None) -> dict:
+    "The checkpoint's run state, if the folder is exactly what its manifest lists (hashes included), of the run `expected` names and with tensors that fit `model`; else `CheckpointError`."
+    for name, digest in _manifest(path).items():
         if not (path / name).is_file():
             raise CheckpointError(f"{path}: {name} is missing")
         if sha256_file(path / name) != digest:
             raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest (truncated or corrupted)")
+    state = _state(path)
+    if expected is not None:
+        _same_run(path, state["fingerprint"], expected)
+    if model is not None:
+        check_tensors(path, state["format"], model)
+    return state
+
+# %% ../../../nbs/10a_checkpoint.ipynb #2353ab6e
+def _manifest(path: Path) -> dict[str, str]:
+    "The manifest's name → sha256, refused unless it names exactly the folder's files by plain relative paths."
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (an interrupted write?)")
+    try:
+        expected = json.loads((path / MANIFEST).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(expected, dict) or not all(isinstance(d, str) and _plain(n) for n, d in expected.items()):
+        raise CheckpointError(f"{path}/{MANIFEST} must map plain relative file names inside the folder to sha256s")
+    present = {p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()} - {MANIFEST}
+    if unlisted := sorted(present - expected.keys()):
+        raise CheckpointError(f"{path}: {unlisted[0]} is not in the manifest (added after the checkpoint was sealed)")
+    return expected
+
+def _plain(name: str) -> bool:
+    return bool(name) and not name.startswith("/") and ".." not in name.split("/") and "\\" not in name
+
+# %% ../../../nbs/10a_checkpoint.ipynb #db598601
+def _state(path: Path) -> dict:
+    "state.json, refused unless it names its step, its written format and its run's fingerprint."
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: no readable {STATE} ({e})") from None
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and state.get("format") in FORMATS[1:]
+            and isinstance(state.get("fingerprint"), dict)):
+        raise CheckpointError(f"{path}/{STATE} does not record its step, format (full | sharded) and fingerprint")
+    return state
+
+def _same_run(path: Path, recorded: dict, expected: dict) -> None:
+    expected = json.loads(json.dumps(expected))                     # as JSON holds it: tuples are lists
+    for key in sorted(recorded.keys() | expected.keys()):
+        if recorded.get(key) != expected.get(key):
+            raise CheckpointError(f"{path} was written by another run: its {key} is {_short(recorded.get(key))}, "
+                                  f"this run's is {_short(expected.get(key))}")
+
+def _short(value) -> str:
+    if isinstance(value, dict):                                     # a model config: name only what differs
+        return "{" + ", ".join(f"{k}: {v!r}" for k, v in list(value.items())[:6]) + (", …}" if len(value) > 6 else "}")
+    return repr(value)
 
 # %% ../../../nbs/10a_checkpoint.ipynb #481de798
-def checkpoints(root: Path) -> list[Path]:
-    "Finished checkpoints under `root`, oldest first."
-    return sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.is_dir() else []
+STEP = re.compile(r"step-(\d{8})")             # a finished checkpoint's folder name
+TEMP = re.compile(r"\.tmp-step-\d{8}-(\d+)")    # a writer's temporary folder: its pid
 
-def latest_valid_checkpoint(root: Path) -> Path | None:
-    "The newest checkpoint that verifies; refused ones are reported on stderr and skipped."
+def checkpoints(root: Path) -> list[Path]:
+    "Finished checkpoints under `root` (folders named exactly step-NNNNNNNN), oldest first."
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP.fullmatch(p.name) and p.is_dir()), key=lambda p: p.name)
+
+def latest_valid_checkpoint(root: Path, expected: dict | None = None, model: nn.Module | None = None) -> Path | None:
+    "The newest checkpoint that verifies (of the run `expected`, fitting `model`); refused ones are reported on stderr."
     for path in reversed(checkpoints(root)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, expected, model)
             return path
         except CheckpointError as e:
             print(f"refusing checkpoint: {e}; falling back to the previous one", file=sys.stderr)
     return None
 
 def prune_checkpoints(root: Path, keep_last: int, milestones: list[int]) -> None:
-    "Delete all but the newest `keep_last` checkpoints and the milestones, and any interrupted temporary writes."
-    for tmp in root.glob(".tmp-step-*"):
+    "Delete all but the newest `keep_last` checkpoints and the milestones, and the temporaries of dead writers."
+    for tmp in (p for p in root.iterdir() if (m := TEMP.fullmatch(p.name)) and not _alive(int(m.group(1)))):
         shutil.rmtree(tmp, ignore_errors=True)
-    rolling = [p for p in checkpoints(root) if int(p.name.split("-")[1]) not in milestones]
+    rolling = [p for p in checkpoints(root) if int(STEP.fullmatch(p.name).group(1)) not in milestones]
     for path in rolling[:-keep_last]:
         shutil.rmtree(path)
 
-# %% ../../../nbs/10a_checkpoint.ipynb #a2f49207
-FORMATS = ("auto", "full", "sharded")  # train.checkpoint_format
+def _alive(pid: int) -> bool:
+    "Whether process `pid` exists on this host (this process counts as dead: its finished writes are renamed)."
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
+# %% ../../../nbs/10a_checkpoint.ipynb #a2f49207
 def checkpoint_format(choice: str, parallel: str, world_size: int) -> str:
     "full | sharded for a run of `world_size` processes under `parallel` (ddp | fsdp2); auto: sharded only under multi-process FSDP2."
     if choice not in FORMATS:
@@ -148,8 +213,8 @@ def join_optimizer(tensors: dict[str, Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 # %% ../../../nbs/10a_checkpoint.ipynb #f38cfd1a
-def run_files(loader, step: int) -> dict | None:
-    "rng.safetensors and state.json (step, every rank's loader position; the optimizer JSON is added last) on rank 0, None elsewhere."
+def run_files(loader, step: int, fmt: str, fingerprint: dict) -> dict | None:
+    "rng.safetensors and state.json (step, format, fingerprint, every rank's loader position; the optimizer JSON is added last) on rank 0, None elsewhere."
     mine = {"loader": loader.state_dict(), "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     ranks = [mine]
@@ -161,65 +226,141 @@ def run_files(loader, step: int) -> dict | None:
     rng = {f"rank{r}": s["rng"] for r, s in enumerate(ranks)}
     rng |= {f"rank{r}.cuda": s["cuda_rng"] for r, s in enumerate(ranks) if s["cuda_rng"] is not None}
     return {"rng.safetensors": rng,
-            "state.json": {"step": step, "world_size": len(ranks), "loader": [s["loader"] for s in ranks]}}
+            STATE: {"step": step, "format": fmt, "fingerprint": fingerprint, "world_size": len(ranks),
+                    "loader": [s["loader"] for s in ranks]}}
 
 # %% ../../../nbs/10a_checkpoint.ipynb #a979c54e
-def capture_state(model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> dict | None:
+def capture_state(model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int, fingerprint: dict) -> dict | None:
     "Full-format checkpoint files — gathered weights, optimizer tensors + JSON, loader and RNG states — on rank 0 (None elsewhere)."
     weights = get_model_state_dict(model, options=_options(full=True))      # collectives under DDP/FSDP2: every rank calls
     optim = get_optimizer_state_dict(model, optimizer, options=_options(full=True))   # empty except on rank 0
-    if (files := run_files(loader, step)) is None:
+    if (files := run_files(loader, step, "full", fingerprint)) is None:
         return None
     tensors, optimizer_json = split_optimizer(optim)
-    files["state.json"]["optimizer"] = optimizer_json
+    files[STATE]["optimizer"] = optimizer_json
     return {"model.safetensors": weights, "optimizer.safetensors": tensors, **files}
 
 # %% ../../../nbs/10a_checkpoint.ipynb #7b73faab
-def save_sharded(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int) -> Path | None:
+def save_sharded(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int,
+                 fingerprint: dict) -> Path | None:
     "Sharded format: every rank writes its DCP shard of weights and optimizer tensors, rank 0 the rest and seals (its path; None elsewhere)."
     weights = get_model_state_dict(model, options=_options(full=False))    # this rank's shards: nothing is gathered
     tensors, optimizer_json = split_optimizer(get_optimizer_state_dict(model, optimizer, options=_options(full=False)))
-    files = run_files(loader, step)
+    files = run_files(loader, step, "sharded", fingerprint)
     tmp = [str(temp_folder(root, step)) if files is not None else None]
     if dist.is_initialized():
         dist.broadcast_object_list(tmp)                                    # rank 0's folder, for every rank
     dcp.save({"model": weights, "optimizer": tensors}, storage_writer=dcp.FileSystemWriter(Path(tmp[0]) / "dcp"))
     if files is None:
         return None
-    files["state.json"]["optimizer"] = optimizer_json
+    files[STATE]["optimizer"] = optimizer_json
     return write_checkpoint(root, step, files, tmp=Path(tmp[0]))
 
 # %% ../../../nbs/10a_checkpoint.ipynb #85fccb2e
 def save_checkpoint(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader, step: int,
-                    fmt: str) -> Path | None:
+                    fmt: str, fingerprint: dict) -> Path | None:
     "Every rank contributes its state in format `fmt` (full | sharded); rank 0 seals the folder and gets its path, the others None."
     if fmt == "sharded":
-        return save_sharded(root, model, optimizer, loader, step)
-    if (files := capture_state(model, optimizer, loader, step)) is not None:
+        return save_sharded(root, model, optimizer, loader, step, fingerprint)
+    if (files := capture_state(model, optimizer, loader, step, fingerprint)) is not None:
         return write_checkpoint(root, step, files)
     return None
 
+# %% ../../../nbs/10a_checkpoint.ipynb #ace418cc
+_DCP_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                                 ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+class _MetadataUnpickler(pickle.Unpickler):
+    "An unpickler that finds only DCP's metadata classes and torch dtypes."
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in _DCP_CLASSES and not dtype:
+            raise CheckpointError(f"DCP metadata refers to {module}.{name}, which is not one of DCP's own classes")
+        return super().find_class(module, name)
+
+# %% ../../../nbs/10a_checkpoint.ipynb #ff8f4438
+class SafeReader(dcp.FileSystemReader):
+    "DCP's FileSystemReader, its `.metadata` unpickled by `_MetadataUnpickler` and checked to hold tensors only."
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointError:
+                raise
+            except Exception as e:                                  # a truncated or malformed index
+                raise CheckpointError(f"DCP metadata is unreadable ({type(e).__name__}: {e})") from None
+        if not all(isinstance(m, TensorStorageMetadata) for m in metadata.state_dict_metadata.values()):
+            raise CheckpointError("DCP metadata lists a non-tensor entry; our checkpoints hold tensors only")
+        if not all(_plain(info.relative_path) and "/" not in info.relative_path for info in metadata.storage_data.values()):
+            raise CheckpointError("DCP metadata names a storage file outside its folder")
+        return _with_load_id(metadata, self)
+
+def _with_load_id(metadata, reader):
+    "What FileSystemReader.read_metadata adds after unpickling: a storage_meta carrying the reader's load id."
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+# %% ../../../nbs/10a_checkpoint.ipynb #95169678
+def check_tensors(path: Path, fmt: str, model: nn.Module) -> None:
+    "Raise `CheckpointError` unless the checkpoint's weights and optimizer tensors fit `model` (names, shapes, dtypes)."
+    params = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    weights, optim = _tensor_headers(path, fmt)                     # name → (shape, dtype)
+    if weights.keys() != params.keys():
+        extra, missing = sorted(weights.keys() - params.keys()), sorted(params.keys() - weights.keys())
+        raise CheckpointError(f"{path}: its weights are not this model's (extra {extra[:3]}, missing {missing[:3]})")
+    for name, (shape, dtype) in weights.items():
+        if (shape, dtype) != params[name]:
+            raise CheckpointError(f"{path}: {name} is {dtype} {shape}, the model's is {params[name][1]} {params[name][0]}")
+    for key, (shape, dtype) in optim.items():
+        fqn = key.split("::")[0]
+        if fqn not in params or shape not in (params[fqn][0], ()) or not dtype.is_floating_point:
+            raise CheckpointError(f"{path}: optimizer tensor {key} ({dtype} {shape}) does not fit parameter {fqn}")
+
+def _tensor_headers(path: Path, fmt: str) -> tuple[dict, dict]:
+    "(weights, optimizer tensors) as name → (shape, dtype), from safetensors headers or DCP's index."
+    if fmt == "full":
+        return _safetensors_header(path / "model.safetensors"), _safetensors_header(path / "optimizer.safetensors")
+    meta = SafeReader(path / "dcp").read_metadata().state_dict_metadata
+    entries = {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()}
+    return ({k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")},
+            {k.removeprefix("optimizer."): v for k, v in entries.items() if k.startswith("optimizer.")})
+
+def _safetensors_header(file: Path) -> dict:
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), _DTYPES[f.get_slice(k).get_dtype()]) for k in f.keys()}
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
 # %% ../../../nbs/10a_checkpoint.ipynb #dbc43e82
-def read_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[StateDictOptions, dict, dict]:
-    "A checkpoint's weights and optimizer tensors: the full safetensors, or this rank's shards read by DCP."
-    if not (path / "dcp").is_dir():
+def read_tensors(path: Path, fmt: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[StateDictOptions, dict, dict]:
+    "A checkpoint's weights and optimizer tensors in its format: the full safetensors, or this rank's shards read by DCP."
+    if fmt == "full":
         return (_options(full=True), load_file(str(path / "model.safetensors")),
                 load_file(str(path / "optimizer.safetensors")))
     options = _options(full=False)
     state = {"model": get_model_state_dict(model, options=options),        # this rank's shapes and shards, to fill
              "optimizer": split_optimizer(get_optimizer_state_dict(model, optimizer, options=options))[0]}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path / "dcp"))
+    dcp.load(state, storage_reader=SafeReader(path / "dcp"))
     return options, state["model"], state["optimizer"]
 
 # %% ../../../nbs/10a_checkpoint.ipynb #06e2778c
 def restore_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader) -> int:
     "Load a verified checkpoint (either format) into this rank's model, optimizer, loader and RNG; returns its step."
-    meta = json.loads((path / "state.json").read_text())
+    meta = _state(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if meta["world_size"] != world:
         raise CheckpointError(f"{path} was written by {meta['world_size']} processes, this run has {world}; "
                               "the loader state is per process")
-    options, weights, tensors = read_tensors(path, model, optimizer)
+    options, weights, tensors = read_tensors(path, meta["format"], model, optimizer)
     set_model_state_dict(model, weights, options=options)
     set_optimizer_state_dict(model, optimizer, join_optimizer(tensors, meta["optimizer"]), options=options)
     loader.load_state_dict(meta["loader"][rank])
@@ -230,9 +371,9 @@ def restore_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     return meta["step"]
 
 # %% ../../../nbs/10a_checkpoint.ipynb #51250993
-def agreed_checkpoint(root: Path) -> Path | None:
+def agreed_checkpoint(root: Path, expected: dict | None = None, model: nn.Module | None = None) -> Path | None:
     "The newest checkpoint that verifies, chosen by rank 0 and broadcast, so each file is hashed once, not once per rank."
-    found = [None if dist.is_initialized() and dist.get_rank() != 0 else latest_valid_checkpoint(root)]
+    found = [None if dist.is_initialized() and dist.get_rank() != 0 else latest_valid_checkpoint(root, expected, model)]
     if dist.is_initialized():
         dist.broadcast_object_list(found)
     return found[0]
@@ -240,17 +381,20 @@ def agreed_checkpoint(root: Path) -> Path | None:
 # %% ../../../nbs/10a_checkpoint.ipynb #6c9f1a0c
 def load_model(config, checkpoint: str | os.PathLike) -> nn.Module:
     "The model of `config` (a registry model config; fp32, CPU) holding a verified checkpoint's weights, full or sharded."
-    verify_checkpoint(Path(checkpoint))
+    path = Path(checkpoint)
+    state = verify_checkpoint(path)
+    _same_run(path, {"model": state["fingerprint"].get("model")}, {"model": to_dict(config)})
     model = build_model(config, device="cpu")
-    model.load_state_dict(consolidated_weights(model, Path(checkpoint)), strict=True)
+    check_tensors(path, state["format"], model)
+    model.load_state_dict(consolidated_weights(model, path, state["format"]), strict=True)
     return model
 
-def consolidated_weights(model: nn.Module, checkpoint: Path) -> dict[str, Tensor]:
+def consolidated_weights(model: nn.Module, checkpoint: Path, fmt: str) -> dict[str, Tensor]:
     "A checkpoint's full weights for `model` (plain, CPU): its model.safetensors, or every rank's DCP shards, in one process."
-    if not (checkpoint / "dcp").is_dir():
+    if fmt == "full":
         return load_file(str(checkpoint / "model.safetensors"))
     state = {"model": model.state_dict()}              # plain tensors to fill from every rank's shards
-    dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
+    dcp.load(state, storage_reader=SafeReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
     return state["model"]
 
 def export_hf(config, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

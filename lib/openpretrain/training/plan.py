@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core import ConfigError, Preset, load_preset
+from ..core import ConfigError, Preset, load_preset, to_dict
 from ..corpus import column_values
 from ..models.registry import ModelConfig, context_limit, model_config
 from ..tokenization import TokenizerConfig, load_tokenizer
@@ -21,7 +21,7 @@ from .goldfish import GoldfishConfig
 from .optim import OptimConfig, Schedule
 
 # %% auto #0
-__all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections', 'check_data_budget',
+__all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections', 'check_data_budget', 'fingerprint',
            'token_loader']
 
 # %% ../../../nbs/10b_plan.ipynb #107d5713
@@ -137,6 +137,12 @@ def check_data_budget(name: str, data: DataConfig, curriculum: Curriculum, sched
     if budget < needed:
         raise ConfigError(f"{name}: {steps} steps need {needed:,} tokens but curriculum '{curriculum.name}' has "
                           f"{budget:,} at seq_len {data.seq_len:,}; shorten optim.schedule or pass max_steps ≤ {int(schedule.steps_at(budget))}")
+
+# %% ../../../nbs/10b_plan.ipynb #27732269
+def fingerprint(pl: Plan) -> dict:
+    "What a checkpoint must share with the run that resumes it: model, curriculum, row length, seed, processes."
+    return {"model": to_dict(pl.model), "curriculum": pl.curriculum.name, "seq_len": pl.data.seq_len,
+            "seed": pl.preset.seed, "world_size": pl.world_size}
 
 # %% ../../../nbs/10b_plan.ipynb #cc34ad80
 def token_loader(pl: Plan, tokenizer, rank: int = 0, world_size: int = 1, label_mask=None) -> TokenLoader:

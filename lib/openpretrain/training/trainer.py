@@ -30,17 +30,18 @@ from torch import Tensor, nn
 __all__ = ['PRETRAINING', 'STEP_KEYS', 'measure_peak_flops', 'sync', 'keep_freed_memory', 'parallelize', 'gradient_sync',
            'device_of', 'all_sum', 'unwrap', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError',
            'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants',
-           'step_batches', 'train_loop', 'save', 'start_run', 'train', 'train_preset', 'main']
+           'step_batches', 'train_loop', 'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh',
+           'start_run', 'build_run', 'resume_run', 'train', 'train_preset', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
-from ..core import ConfigError, project_root, resolve_device, seed_everything
+from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
 from ..models import registry
 from ..tokenization import load_tokenizer
-from .checkpoint import (agreed_checkpoint, checkpoint_format, latest_valid_checkpoint,
-                                              prune_checkpoints, restore_state, save_checkpoint)
+from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, checkpoints,
+                                              latest_valid_checkpoint, prune_checkpoints, restore_state, save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
-from .plan import Plan, TrainConfig, plan, token_loader
+from .plan import Plan, TrainConfig, fingerprint, plan, token_loader
 
 # %% ../../../nbs/11_train.ipynb #9f05446e
 @functools.cache   # once per process: a worker that trains many short runs measures once
@@ -278,7 +279,7 @@ def train_loop(run: Run, objective: Objective = PRETRAINING) -> None:
             result = train_step(run, batches, objective)
         except NonFiniteError as e:
             raise NonFiniteError(f"step {run.step + 1}: {e}; stopped before the optimizer step, weights untouched; "
-                                 f"last good checkpoint: {latest_valid_checkpoint(run.checkpoints) or 'none'}") from None
+                                 f"last verified checkpoint: {last_verified(run)}") from None
         run.step += 1
         row = metrics_row(pl, run.step, lr, result)
         for hook in run.hooks:
@@ -298,50 +299,95 @@ def train_loop(run: Run, objective: Objective = PRETRAINING) -> None:
 
 # %% ../../../nbs/11_train.ipynb #85fccb2e
 def save(run: Run) -> None:
-    "Checkpoint `run` at its step, every rank taking part; rank 0 then prunes old checkpoints."
+    "Checkpoint `run` at its step over finite weights, every rank taking part; rank 0 then prunes old checkpoints."
     cfg, acc = run.plan.train, run.accelerator
+    if not weights_finite(run.model, device_of(acc)):
+        raise NonFiniteError(f"step {run.step}: the weights are not finite after the optimizer step (an overflow); not "
+                             f"checkpointed; last verified checkpoint: {last_verified(run)}")
     fmt = checkpoint_format(cfg.checkpoint_format, cfg.parallel, acc.num_processes)
-    save_checkpoint(run.checkpoints, run.model, run.optimizer, run.loader, run.step, fmt)
+    save_checkpoint(run.checkpoints, run.model, run.optimizer, run.loader, run.step, fmt, fingerprint(run.plan))
     if acc.is_main_process:
         prune_checkpoints(run.checkpoints, cfg.keep_last, cfg.milestones)
     acc.wait_for_everyone()
 
+def weights_finite(model: nn.Module, device: torch.device) -> bool:
+    "Whether every rank's parameters (its shards under FSDP2) are finite."
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    bad = torch.tensor(sum(int(not torch.isfinite(p).all()) for p in local), dtype=torch.float64, device=device)
+    return all_sum(bad).item() == 0
+
+def last_verified(run: Run) -> str:
+    "The newest checkpoint of this run that verifies, for an error message."
+    return str(latest_valid_checkpoint(run.checkpoints, fingerprint(run.plan)) or "none")
+
+# %% ../../../nbs/11_train.ipynb #6ad36e6d
+def run_folder(out: Path) -> Path:
+    "`out`, created: a folder this process can make (not a file, nor under one, nor a path the OS refuses)."
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot be created ({e.strerror or e})") from None
+    return out
+
+def check_fresh(out: Path) -> None:
+    "A fresh run's folder holds no earlier run (its metrics or checkpoints)."
+    if (out / "metrics.jsonl").exists() or checkpoints(out / "checkpoints"):
+        raise ConfigError(f"--out {out} already holds a run (metrics.jsonl, {len(checkpoints(out / 'checkpoints'))} "
+                          "checkpoints): pass --resume to continue it, or choose another folder")
+
 # %% ../../../nbs/11_train.ipynb #f7f4dda7
-def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False,
-              loader_factory=token_loader) -> Run:
-    "A run of `pl`: accelerator, seeded model, optimizer and loader, restored from the newest valid checkpoint if `resume`."
+@contextlib.contextmanager
+def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, loader_factory=token_loader):
+    "A run of `pl` — its folder locked, model, optimizer and loader built, resumed if asked — for the block's duration."
     from accelerate import Accelerator
     cuda = resolve_device(pl.preset.device).startswith("cuda")
     accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and pl.train.precision == "bf16" else "no")
     if not cuda:   # CPU runs repeat bit for bit: without this the hybrid's gradients differ in the last bits between processes
         torch.use_deterministic_algorithms(True)
         keep_freed_memory()
+    out = Path(out_dir) if out_dir else project_root() / "runs" / pl.preset.name
+    with contextlib.ExitStack() as held:
+        if accelerator.is_main_process:
+            held.enter_context(folder_lock(run_folder(out), "training run"))
+            if not resume:
+                check_fresh(out)
+        run = build_run(pl, out, accelerator, loader_factory)
+        if resume:
+            resume_run(run)
+        run.out.mkdir(parents=True, exist_ok=True)
+        if accelerator.is_main_process:
+            run.log = MetricsLog(run.out / "metrics.jsonl", run.step, pl.train.tensorboard)
+            held.callback(run.log.close)
+        yield run
+
+# %% ../../../nbs/11_train.ipynb #1f3b8ef7
+def build_run(pl: Plan, out: Path, accelerator, loader_factory) -> Run:
+    "The seeded model, its optimizer and this process's loader, at step 0."
     seed_everything(pl.preset.seed)
     model = registry.build_model(pl.model, device=device_of(accelerator), compile=pl.train.compile)
     model = parallelize(model, pl.train, accelerator)
     tokenizer = load_tokenizer(pl.tokenizer)
     drops = DropCounter(mask) if (mask := label_mask(pl.goldfish, tokenizer)) else None
-    run = Run(pl, model, build_optimizer(model, pl.optim),
-              loader_factory(pl, tokenizer, accelerator.process_index, accelerator.num_processes, drops),
-              accelerator, Path(out_dir) if out_dir else project_root() / "runs" / pl.preset.name,
-              hooks=[goldfish_share(drops)] if drops else [])
-    if resume and (found := agreed_checkpoint(run.checkpoints)) is not None:
+    return Run(pl, model, build_optimizer(model, pl.optim),
+               loader_factory(pl, tokenizer, accelerator.process_index, accelerator.num_processes, drops),
+               accelerator, out, hooks=[goldfish_share(drops)] if drops else [])
+
+def resume_run(run: Run) -> None:
+    "Restore the newest checkpoint of this run; refuse when checkpoints exist and none is intact and this run's."
+    if (found := agreed_checkpoint(run.checkpoints, fingerprint(run.plan), unwrap(run.model))) is not None:
         run.step = restore_state(found, run.model, run.optimizer, run.loader)
-    run.out.mkdir(parents=True, exist_ok=True)
-    if accelerator.is_main_process:
-        run.log = MetricsLog(run.out / "metrics.jsonl", run.step, pl.train.tensorboard)
-    return run
+    elif existing := checkpoints(run.checkpoints):
+        raise CheckpointError(f"--resume: none of the {len(existing)} checkpoints in {run.checkpoints} is intact and of "
+                              "this run (reasons above); refusing to start over them — move them away to start afresh")
 
 # %% ../../../nbs/11_train.ipynb #47b688b9
 def train(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, *,
           objective: Objective = PRETRAINING, loader_factory=token_loader) -> Path:
     "Train the plan's model under `objective` (its curriculum, or `loader_factory`'s batches); returns metrics.jsonl's path."
-    run = start_run(pl, out_dir, resume, loader_factory)
-    try:
+    with start_run(pl, out_dir, resume, loader_factory) as run:
         train_loop(run, objective)
-    finally:
-        if run.log:
-            run.log.close()
     return run.out / "metrics.jsonl"
 
 def train_preset(preset: str, out_dir: str | os.PathLike | None = None, max_steps: int | None = None,
@@ -351,7 +397,7 @@ def train_preset(preset: str, out_dir: str | os.PathLike | None = None, max_step
 
 # %% ../../../nbs/11_train.ipynb #e28c9f62
 def main(argv: list[str] | None = None) -> int:
-    "`openpretrain train --preset tiny [--max-steps N] [--out DIR] [--resume]`; preset errors print one line, exit 2."
+    "`openpretrain train --preset tiny [--max-steps N] [--out DIR] [--resume]`; a run that cannot start prints one line, exit 2."
     ap = argparse.ArgumentParser(prog="openpretrain train", description="pretrain a preset's model")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path")
     ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the token budget)")
@@ -360,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         path = train_preset(args.preset, args.out, args.max_steps, args.resume)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, FolderInUse, OSError) as e:   # the run cannot start: one line
         print(f"openpretrain train: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:                                          # the run started and stopped
+        print(f"openpretrain train: {e}", file=sys.stderr)
+        return 1
     print(path)
     return 0
