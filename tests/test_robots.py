@@ -623,6 +623,16 @@ def test_a_nul_byte_does_not_make_a_robots_txt_binary():
     assert f.status == "ok" and not is_allowed(f.text, "https://a.org/private/1", "GPTBot")
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_control_bytes_in_a_comment_do_not_make_a_short_robots_txt_binary(policy):
+    body = b"User-agent: GPTBot\nDisallow: /\n# exported by \x01\x02\x03 tool\n"  # 3 of 50 bytes are controls
+    assert robots_file(200, body).status == "ok"
+    d = RobotsOracle(snapshot({"a.org": body}), RobotsConfig(policy=policy)).decide("https://a.org/page")
+    assert not d.kept and d.reason == "disallowed-url" and d.agents == ("GPTBot",)
+    blob = robots_file(200, bytes(range(1, 9)) * 64)  # control bytes and no rule keyword: still binary
+    assert (blob.status, blob.why) == ("unavailable", "binary")
+
+
 def test_an_oversized_file_with_cr_line_endings_keeps_its_rules():
     body = b"User-agent: *\rDisallow: /private\r" + b"# padding line\r" * 40_000  # 600 KB, CR only
     f = robots_file(200, body)

@@ -243,6 +243,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'openpretrain/compliance/robots.py'),
                                                 'openpretrain.compliance.robots._key_value': ( 'robots.html#_key_value',
                                                                                                'openpretrain/compliance/robots.py'),
+                                                'openpretrain.compliance.robots._mostly_controls': ( 'robots.html#_mostly_controls',
+                                                                                                     'openpretrain/compliance/robots.py'),
                                                 'openpretrain.compliance.robots._netloc_key': ( 'robots.html#_netloc_key',
                                                                                                 'openpretrain/compliance/robots.py'),
                                                 'openpretrain.compliance.robots._normalise': ( 'robots.html#_normalise',
