@@ -3,6 +3,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -507,6 +508,47 @@ def test_a_truncated_gz_input_fails_naming_the_file(tmp_path):
     (tmp_path / "in" / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(Exception, match="cut.jsonl.gz"):
         list(make_reader(tmp_path / "in")())
+
+
+def _damaged(kind: str, folder: Path) -> Path:
+    "An input file of `kind` in `folder`: truncated or corrupt, gzipped JSONL or Parquet."
+    docs = [_doc(i) for i in range(60)]
+    if kind.endswith("gz"):
+        data = bytearray(gzip.compress(b"".join(json.dumps(d).encode() + b"\n" for d in docs)))
+        path = folder / f"{kind}.jsonl.gz"
+    else:
+        path = folder / f"{kind}.parquet"
+        pd.DataFrame(docs).to_parquet(path, row_group_size=20)
+        data = bytearray(path.read_bytes())
+    if kind.startswith("truncated"):
+        del data[len(data) // 2:]
+    else:
+        data[100:400] = bytes(b ^ 0xFF for b in data[100:400])  # inside the first deflate block / row group
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated-gz", "corrupt-gz", "truncated-parquet", "corrupt-parquet"])
+def test_a_damaged_input_file_fails_naming_it_before_anything_is_written(tmp_path, kind):
+    (tmp_path / "in").mkdir()
+    path = _damaged(kind, tmp_path / "in")
+    with pytest.raises(OSError, match=f"{re.escape(str(path))}: unreadable"):
+        run_compliance("tiny", tasks=1, workers=1, output_dir=tmp_path / "out", input_dir=tmp_path / "in",
+                       fmt="parquet" if kind.endswith("parquet") else "jsonl", robots_snapshot=SNAPSHOT)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_kept_file_fails_the_ledger_naming_it_and_rerunning_its_task_recovers(tmp_path):
+    _write(tmp_path / "in", [json.dumps(_doc(i)).encode() for i in range(8)], shards=2)
+    _run(tmp_path / "in", tmp_path / "out", tasks=2)
+    kept = tmp_path / "out" / "kept" / "00000.jsonl.gz"
+    kept.write_bytes(kept.read_bytes()[: kept.stat().st_size // 2])
+    with pytest.raises(OSError, match=f"{re.escape(str(kept))}: unreadable"):
+        read_ledger(tmp_path / "out")
+    kept.unlink()
+    (tmp_path / "out" / "logs" / "completions" / "00000").unlink()
+    _run(tmp_path / "in", tmp_path / "out", tasks=2)  # only task 0 runs again
+    read_ledger(tmp_path / "out").check_conservation(f"doc-{i}" for i in range(8))
 
 
 def test_a_byte_order_mark_does_not_make_the_first_record_malformed(tmp_path):

@@ -33,7 +33,7 @@ from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.stats import PipelineStats
 
-from .ledger import Ledger, record
+from .ledger import Ledger, reading, record
 from .pii import PIIAnonymizer, PIIConfig
 from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
@@ -101,7 +101,7 @@ class ComplianceReader(_NeverDrop, JsonlReader):
 
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
-            for li, raw in enumerate(_lines(f, filepath)):
+            for li, raw in enumerate(_lines(f, self.data_folder.resolve_paths(filepath))):
                 if raw.strip():  # blank lines are not records
                     with self.track_time():
                         doc = self.parse_line(raw, filepath, li)
@@ -129,10 +129,8 @@ def _lines(f, filepath: str):
     "The lines of an open input file; a truncated or corrupt .gz fails naming the file and the line it reached."
     n = 0
     while True:
-        try:
+        with reading(filepath, f" after line {n}"):
             raw = f.readline()
-        except (OSError, EOFError) as e:
-            raise OSError(f"{filepath}: unreadable after line {n}: {e}") from e
         if not raw:
             return
         n += 1
@@ -151,14 +149,15 @@ class ComplianceParquetReader(_NeverDrop, ParquetReader):
 
     def row_group_rows(self, filepath: str) -> list[int]:
         import pyarrow.parquet as pq
-        with self.data_folder.open(filepath, "rb") as f:
+        with self.data_folder.open(filepath, "rb") as f, reading(self.data_folder.resolve_paths(filepath)):
             meta = pq.ParquetFile(f).metadata
             return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def read_row_group(self, filepath: str, group: int):
         import pyarrow.parquet as pq
         first = sum(self.row_group_rows(filepath)[:group])  # ids of rows without one: <file>/<row in file>
-        with self.data_folder.open(filepath, "rb") as f:
+        path = self.data_folder.resolve_paths(filepath)
+        with self.data_folder.open(filepath, "rb") as f, reading(path, f" in row group {group}"):
             rows = pq.ParquetFile(f).read_row_group(group).to_pylist()
         for i, row in enumerate(rows):
             with self.track_time():
