@@ -24,7 +24,7 @@ from openpretrain.compliance.pipeline import (FailClosed, build_pipeline, make_e
 from openpretrain.compliance.robots import write_snapshot
 from openpretrain.compliance.toxicity import (ToxicityConfig, ToxicityScorer, USEEmbedder, fit_threshold, load_heads,
                                               load_weak_labels, random_score)
-from openpretrain.core import folder_lock, load_preset
+from openpretrain.core import FolderInUse, folder_lock, load_preset
 
 ROBOTS = {  # host → robots.txt body (bytes), fetched 2025-01-15
     "blocked.example.org": b"User-agent: GPTBot\nDisallow: /\n",
@@ -426,6 +426,16 @@ def test_a_second_run_on_a_locked_output_folder_fails_naming_the_holder(tmp_path
         holder.wait()
     with folder_lock(tmp_path / "out", "compliance run"):  # released with its holder
         pass
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_lower_level_entry_refuses_an_output_folder_another_run_holds(tmp_path, workers):
+    _write(tmp_path / "in", [json.dumps(_doc(i)).encode() for i in range(4)], shards=2)
+    with folder_lock(tmp_path / "out", "compliance run"):  # a second open file: refused even in this process
+        with pytest.raises(FolderInUse, match=f"out is in use by another compliance run \\(pid {os.getpid()} "):
+            _run(tmp_path / "in", tmp_path / "out", tasks=2, workers=workers)
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # nothing written
+    assert len(_run(tmp_path / "in", tmp_path / "out", tasks=2, workers=workers)) == 4  # released: the same entry runs
 
 
 def test_poison_records_are_removed_as_malformed_and_the_run_goes_on(tmp_path):

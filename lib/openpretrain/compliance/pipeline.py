@@ -17,8 +17,9 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
-           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
-           'WatchedLocalExecutor', 'make_executor', 'run_compliance', 'input_ids', 'plan_tasks', 'read_ledger']
+           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'CompliancePipeline', 'build_pipeline', 'make_reader',
+           'calibrate', 'WatchedLocalExecutor', 'make_executor', 'run_compliance', 'input_ids', 'plan_tasks',
+           'read_ledger']
 
 # %% ../../../nbs/04a_pipeline.ipynb #c891363a
 import multiprocess
@@ -215,9 +216,15 @@ def _one(self: FailClosed, doc: Document, rank: int, world_size: int):
         self.step.exclusion_writer.write(doc, rank)
 
 # %% ../../../nbs/04a_pipeline.ipynb #930f8c41
+class CompliancePipeline(list):
+    "The steps of one compliance run, and the output folder they write into (whose lock a local run holds)."
+    def __init__(self, steps: list, output_dir: Path):
+        super().__init__(steps)
+        self.output_dir = output_dir
+
 def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = "tiny", *,
                    robots_snapshot, thresholds: dict[str, float] | None = None,
-                   heads_path: str | Path | None = None, fmt: str = "jsonl") -> list:
+                   heads_path: str | Path | None = None, fmt: str = "jsonl") -> CompliancePipeline:
     "reader → quarantine → robots → toxicity → PII → writer; every step fails closed into `removed/errors`."
     out, p = Path(output_dir), load_preset(preset)
     tox = p.section("toxicity", ToxicityConfig)
@@ -225,7 +232,7 @@ def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = 
     removed = lambda step: JsonlWriter(str(out / "removed" / step))
     guard = lambda step, name: FailClosed(step, JsonlWriter(str(out / "removed" / "errors"), output_filename=(
         f"{name}-${{rank}}.jsonl.gz")))
-    return [
+    return CompliancePipeline([
         make_reader(input_dir, fmt),
         Quarantine(exclusion_writer=removed("malformed")),
         guard(RobotsFilter(robots_snapshot, p.section("robots", RobotsConfig), exclusion_writer=removed("robots")),
@@ -233,7 +240,7 @@ def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = 
         guard(ToxicityFilter(tox, thresholds, heads_path, exclusion_writer=removed("toxicity")), "toxicity"),
         guard(PIIAnonymizer(p.section("pii", PIIConfig)), "pii"),
         JsonlWriter(str(out / "kept")),
-    ]
+    ], out)
 
 def make_reader(input_path: str | Path, fmt: str = "jsonl"):
     "The never-dropping reader for `fmt` over a folder (jsonl: `*.jsonl*` | parquet: `*.parquet`) or one file."
@@ -273,9 +280,18 @@ def _die_with_parent() -> None:
 
 # %% ../../../nbs/04a_pipeline.ipynb #43db6a38
 class WatchedLocalExecutor(LocalPipelineExecutor):
-    "datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it."
+    """datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it,
+    and that a run holds the compliance lock of its output folder."""
+
+    def __init__(self, *args, lock_dir: str | Path | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lock_dir = lock_dir  # folder whose compliance lock `run` holds (None: the caller holds it)
 
     def run(self):
+        with folder_lock(self.lock_dir, "compliance run") if self.lock_dir else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self):
         ranks = self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks))
         if self.workers == 1 or not ranks:
             return super().run()
@@ -315,11 +331,15 @@ def _watch(self: WatchedLocalExecutor, pool, results, n: int) -> list:
     return stats
 
 def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: int, logging_dir: str | Path, **kwargs):
-    "The same pipeline under our watched local executor, datatrove's Slurm (`time=`, `partition=`) or Ray executor."
+    """The same pipeline under our watched local executor, datatrove's Slurm (`time=`, `partition=`) or Ray executor.
+    A local run of a `CompliancePipeline` holds its output folder's lock unless given `lock_dir=None`; Slurm and Ray
+    tasks may run on other machines, where a lock on this one proves nothing."""
     from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
     executors = {"local": WatchedLocalExecutor, "slurm": SlurmPipelineExecutor, "ray": RayPipelineExecutor}
     if kind not in executors:
         raise ValueError(f"executor must be one of {sorted(executors)}, got {kind!r}")
+    if kind == "local":
+        kwargs.setdefault("lock_dir", getattr(pipeline, "output_dir", None))
     if kind == "local" and kwargs.get("start_method", "forkserver") == "forkserver":
         multiprocess.get_context("forkserver").set_forkserver_preload([__name__])  # workers fork with the stages loaded
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
@@ -339,7 +359,8 @@ def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, outpu
             thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
         pipeline = build_pipeline(input_dir, out, preset, robots_snapshot=robots_snapshot, heads_path=heads_path,
                                   fmt=fmt)
-        make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs").run()
+        make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs",
+                      lock_dir=None).run()  # the lock is held here already
         ledger = read_ledger(out)
     ledger.check_conservation(ids)
     return ledger
