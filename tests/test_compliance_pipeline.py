@@ -451,6 +451,19 @@ def test_poison_records_are_removed_as_malformed_and_the_run_goes_on(tmp_path):
     assert ledger.loc[[f"doc-{10 + i}" for i in range(4)], "malformed_decision"].eq("kept").all()
 
 
+def test_a_negative_token_count_is_removed_as_malformed_not_copied_into_the_ledger(tmp_path):
+    from openpretrain.corpus import count_tokens
+    lines = [json.dumps(_doc(0, id="negative", token_count=-5)).encode(), json.dumps(_doc(1)).encode()]
+    _write(tmp_path / "in", lines, shards=1)
+    ledger = _run(tmp_path / "in", tmp_path / "out", tasks=1)
+    row = ledger.loc["negative"]
+    assert row.removed_by == "malformed" and row.malformed_reason == "malformed-bad-field"
+    assert "token_count is -5" in row.malformed_error
+    removed = [json.loads(line) for p in (tmp_path / "out/removed/malformed").glob("*.gz") for line in gzip.open(p, "rt")]
+    assert row.tokens == count_tokens(next(r["text"] for r in removed if r["id"] == "negative"))  # its raw record
+    assert (ledger.tokens >= 0).all() and ledger.loc["doc-1", "tokens"] == _doc(1)["token_count"]
+
+
 def test_a_step_that_raises_on_one_record_removes_only_that_record(tmp_path):
     from datatrove.pipeline.filters.base_filter import BaseFilter
     from datatrove.pipeline.writers import JsonlWriter

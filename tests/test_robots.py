@@ -386,6 +386,14 @@ def test_ledger_rejects_duplicates_and_missing_documents():
         record(Document("x", "y"), "robots", "dropped")
 
 
+@pytest.mark.parametrize("count", [-5, "12", 3.5, True])
+def test_the_ledger_refuses_a_token_count_it_cannot_trust(count):
+    with pytest.raises(ValueError, match=f"'d0' has token_count {re.escape(repr(count))}, which is no count"):
+        Ledger.from_documents([Document("some text", "d0", metadata={"token_count": count})])
+    import numpy as np
+    assert Ledger.from_documents([Document("x", "d1", metadata={"token_count": np.int64(7)})]).frame.tokens[0] == 7
+
+
 # --- ranking hosts ----------------------------------------------------------------------------------------------------
 
 def test_rank_domains_by_volume_per_language_split():

@@ -9,6 +9,7 @@ itself."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -172,17 +173,18 @@ def _row(doc: Document | dict, source_key: str, language_key: str, tokens_key: s
         text, doc_id, meta = doc.text, doc.id, doc.metadata
     else:
         text, doc_id, meta = doc.get("text", ""), doc["id"], doc.get("metadata") or {}
-    if meta.get(tokens_key) is not None:
-        tokens = int(meta[tokens_key])
-    elif count_tokens is not None:
+    tokens = meta.get(tokens_key)
+    if tokens is None:
+        if count_tokens is None:
+            raise ValueError(f"document {doc_id!r} has no '{tokens_key}' metadata; pass count_tokens=")
         tokens = count_tokens(text)
-    else:
-        raise ValueError(f"document {doc_id!r} has no '{tokens_key}' metadata; pass count_tokens=")
+    elif isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"document {doc_id!r} has {tokens_key} {tokens!r}, which is no count (a whole number ≥ 0)")
     steps = [k.removesuffix("_decision") for k in meta if k.endswith("_decision")]
     removed = [s for s in steps if meta[f"{s}_decision"] == "removed"]
     if len(removed) > 1:
         raise ValueError(f"document {doc_id!r} was removed by several steps: {removed}")
     fields = {k: v for k, v in meta.items() if any(k.startswith(f"{s}_") for s in steps)}
     return {"id": doc_id, "url": meta.get("url"), "source": meta.get(source_key, "unknown"),
-            "language": meta.get(language_key, "unknown"), "chars": len(text), "tokens": tokens,
+            "language": meta.get(language_key, "unknown"), "chars": len(text), "tokens": int(tokens),
             "removed_by": removed[0] if removed else None, **fields}

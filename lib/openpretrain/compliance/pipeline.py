@@ -57,11 +57,13 @@ def protect_fields(meta: dict) -> dict:
     return meta
 
 def field_problem(meta: dict) -> str:
-    "Why a record's known fields have unusable types ('' when they are fine)."
+    "Why a record's known fields are unusable: a wrong type, or a negative token count ('' when they are fine)."
     for key, kind in FIELD_TYPES.items():
         value = meta.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             return f"{key} is {type(value).__name__} {str(value)[:40]!r}, expected {kind.__name__}"
+    if (n := meta.get("token_count")) is not None and n < 0:
+        return f"token_count is {n}, a count cannot be negative"
     return ""
 
 def _malformed(reason: str, raw: str, doc_id: str, filepath: str, error: str = "") -> Document:
