@@ -3,6 +3,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from openpretrain.compliance.pipeline import (FailClosed, build_pipeline, make_e
 from openpretrain.compliance.robots import write_snapshot
 from openpretrain.compliance.toxicity import (ToxicityConfig, ToxicityScorer, USEEmbedder, fit_threshold, load_heads,
                                               load_weak_labels, random_score)
-from openpretrain.core import folder_lock, load_preset
+from openpretrain.core import FolderInUse, folder_lock, load_preset
 
 ROBOTS = {  # host → robots.txt body (bytes), fetched 2025-01-15
     "blocked.example.org": b"User-agent: GPTBot\nDisallow: /\n",
@@ -427,6 +428,16 @@ def test_a_second_run_on_a_locked_output_folder_fails_naming_the_holder(tmp_path
         pass
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_lower_level_entry_refuses_an_output_folder_another_run_holds(tmp_path, workers):
+    _write(tmp_path / "in", [json.dumps(_doc(i)).encode() for i in range(4)], shards=2)
+    with folder_lock(tmp_path / "out", "compliance run"):  # a second open file: refused even in this process
+        with pytest.raises(FolderInUse, match=f"out is in use by another compliance run \\(pid {os.getpid()} "):
+            _run(tmp_path / "in", tmp_path / "out", tasks=2, workers=workers)
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # nothing written
+    assert len(_run(tmp_path / "in", tmp_path / "out", tasks=2, workers=workers)) == 4  # released: the same entry runs
+
+
 def test_poison_records_are_removed_as_malformed_and_the_run_goes_on(tmp_path):
     poison = {"url-int": {"url": 12345}, "url-list": {"url": ["https://a"]}, "tokens-str": {"token_count": "many"},
               "media-dict": {"media": [{"x": 1}]}}
@@ -438,6 +449,19 @@ def test_poison_records_are_removed_as_malformed_and_the_run_goes_on(tmp_path):
         assert ledger.loc[name, "removed_by"] == "malformed", name
         assert ledger.loc[name, "malformed_reason"] == "malformed-bad-field" and ledger.loc[name, "malformed_error"]
     assert ledger.loc[[f"doc-{10 + i}" for i in range(4)], "malformed_decision"].eq("kept").all()
+
+
+def test_a_negative_token_count_is_removed_as_malformed_not_copied_into_the_ledger(tmp_path):
+    from openpretrain.corpus import count_tokens
+    lines = [json.dumps(_doc(0, id="negative", token_count=-5)).encode(), json.dumps(_doc(1)).encode()]
+    _write(tmp_path / "in", lines, shards=1)
+    ledger = _run(tmp_path / "in", tmp_path / "out", tasks=1)
+    row = ledger.loc["negative"]
+    assert row.removed_by == "malformed" and row.malformed_reason == "malformed-bad-field"
+    assert "token_count is -5" in row.malformed_error
+    removed = [json.loads(line) for p in (tmp_path / "out/removed/malformed").glob("*.gz") for line in gzip.open(p, "rt")]
+    assert row.tokens == count_tokens(next(r["text"] for r in removed if r["id"] == "negative"))  # its raw record
+    assert (ledger.tokens >= 0).all() and ledger.loc["doc-1", "tokens"] == _doc(1)["token_count"]
 
 
 def test_a_step_that_raises_on_one_record_removes_only_that_record(tmp_path):
@@ -507,6 +531,47 @@ def test_a_truncated_gz_input_fails_naming_the_file(tmp_path):
     (tmp_path / "in" / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(Exception, match="cut.jsonl.gz"):
         list(make_reader(tmp_path / "in")())
+
+
+def _damaged(kind: str, folder: Path) -> Path:
+    "An input file of `kind` in `folder`: truncated or corrupt, gzipped JSONL or Parquet."
+    docs = [_doc(i) for i in range(60)]
+    if kind.endswith("gz"):
+        data = bytearray(gzip.compress(b"".join(json.dumps(d).encode() + b"\n" for d in docs)))
+        path = folder / f"{kind}.jsonl.gz"
+    else:
+        path = folder / f"{kind}.parquet"
+        pd.DataFrame(docs).to_parquet(path, row_group_size=20)
+        data = bytearray(path.read_bytes())
+    if kind.startswith("truncated"):
+        del data[len(data) // 2:]
+    else:
+        data[100:400] = bytes(b ^ 0xFF for b in data[100:400])  # inside the first deflate block / row group
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["truncated-gz", "corrupt-gz", "truncated-parquet", "corrupt-parquet"])
+def test_a_damaged_input_file_fails_naming_it_before_anything_is_written(tmp_path, kind):
+    (tmp_path / "in").mkdir()
+    path = _damaged(kind, tmp_path / "in")
+    with pytest.raises(OSError, match=f"{re.escape(str(path))}: unreadable"):
+        run_compliance("tiny", tasks=1, workers=1, output_dir=tmp_path / "out", input_dir=tmp_path / "in",
+                       fmt="parquet" if kind.endswith("parquet") else "jsonl", robots_snapshot=SNAPSHOT)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_kept_file_fails_the_ledger_naming_it_and_rerunning_its_task_recovers(tmp_path):
+    _write(tmp_path / "in", [json.dumps(_doc(i)).encode() for i in range(8)], shards=2)
+    _run(tmp_path / "in", tmp_path / "out", tasks=2)
+    kept = tmp_path / "out" / "kept" / "00000.jsonl.gz"
+    kept.write_bytes(kept.read_bytes()[: kept.stat().st_size // 2])
+    with pytest.raises(OSError, match=f"{re.escape(str(kept))}: unreadable"):
+        read_ledger(tmp_path / "out")
+    kept.unlink()
+    (tmp_path / "out" / "logs" / "completions" / "00000").unlink()
+    _run(tmp_path / "in", tmp_path / "out", tasks=2)  # only task 0 runs again
+    read_ledger(tmp_path / "out").check_conservation(f"doc-{i}" for i in range(8))
 
 
 def test_a_byte_order_mark_does_not_make_the_first_record_malformed(tmp_path):

@@ -386,6 +386,14 @@ def test_ledger_rejects_duplicates_and_missing_documents():
         record(Document("x", "y"), "robots", "dropped")
 
 
+@pytest.mark.parametrize("count", [-5, "12", 3.5, True])
+def test_the_ledger_refuses_a_token_count_it_cannot_trust(count):
+    with pytest.raises(ValueError, match=f"'d0' has token_count {re.escape(repr(count))}, which is no count"):
+        Ledger.from_documents([Document("some text", "d0", metadata={"token_count": count})])
+    import numpy as np
+    assert Ledger.from_documents([Document("x", "d1", metadata={"token_count": np.int64(7)})]).frame.tokens[0] == 7
+
+
 # --- ranking hosts ----------------------------------------------------------------------------------------------------
 
 def test_rank_domains_by_volume_per_language_split():
@@ -621,6 +629,16 @@ def test_http_429_is_a_temporary_failure_like_5xx():
 def test_a_nul_byte_does_not_make_a_robots_txt_binary():
     f = robots_file(200, b"User-agent: *\nDisallow: /private\n# built by \x00 tool\n")
     assert f.status == "ok" and not is_allowed(f.text, "https://a.org/private/1", "GPTBot")
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_control_bytes_in_a_comment_do_not_make_a_short_robots_txt_binary(policy):
+    body = b"User-agent: GPTBot\nDisallow: /\n# exported by \x01\x02\x03 tool\n"  # 3 of 50 bytes are controls
+    assert robots_file(200, body).status == "ok"
+    d = RobotsOracle(snapshot({"a.org": body}), RobotsConfig(policy=policy)).decide("https://a.org/page")
+    assert not d.kept and d.reason == "disallowed-url" and d.agents == ("GPTBot",)
+    blob = robots_file(200, bytes(range(1, 9)) * 64)  # control bytes and no rule keyword: still binary
+    assert (blob.status, blob.why) == ("unavailable", "binary")
 
 
 def test_an_oversized_file_with_cr_line_endings_keeps_its_rules():

@@ -8,12 +8,16 @@ Reads documents, or the folders a compliance run wrote (`kept/`, `removed/<step>
 itself."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import numbers
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pandas as pd
 from datatrove.data import Document
 from fastcore.basics import patch
+from pyarrow import ArrowException
 
 DECISIONS = ("kept", "removed", "modified")  # what a step may do to a document
 BASE_COLUMNS = ("id", "url", "source", "language", "chars", "tokens", "removed_by")
@@ -31,7 +35,7 @@ def record(doc: Document, step: str, decision: str, reason: str = "", **detail) 
     return doc
 
 # %% auto #0
-__all__ = ['DECISIONS', 'BASE_COLUMNS', 'record', 'Ledger']
+__all__ = ['DECISIONS', 'BASE_COLUMNS', 'READ_ERRORS', 'record', 'Ledger', 'reading']
 
 # %% ../../../nbs/01a_ledger.ipynb #f6e66a0c
 class Ledger:
@@ -58,17 +62,34 @@ class Ledger:
 @patch(cls_method=True)
 def from_folders(cls: Ledger, *folders: str | Path, fmt: str = "jsonl", **kwargs) -> Ledger:
     "Build from datatrove writer outputs: the kept folder and every exclusion folder (`fmt`: jsonl | parquet)."
-    from datatrove.pipeline.readers import JsonlReader, ParquetReader
     if fmt not in ("jsonl", "parquet"):
         raise ValueError(f"fmt must be jsonl or parquet, got {fmt!r}")
-    reader = (lambda f: JsonlReader(f, add_file_path=False)) if fmt == "jsonl" else ParquetReader
-    docs = [d for f in folders if Path(f).is_dir() for d in reader(str(f))()]
+    docs = [d for f in folders if Path(f).is_dir() for d in _folder_documents(Path(f), fmt)]
     return cls.from_documents(docs, **kwargs)
 
 @patch(as_prop=True)
 def steps(self: Ledger) -> list[str]:
     "The compliance steps that left decisions in this ledger, in column order."
     return [c.removesuffix("_decision") for c in self.frame.columns if c.endswith("_decision")]
+
+# %% ../../../nbs/01a_ledger.ipynb #b12df2db
+READ_ERRORS = (OSError, EOFError, zlib.error, ArrowException)  # what a truncated or corrupt .gz or Parquet file raises
+
+@contextlib.contextmanager
+def reading(path: str | Path, where: str = ""):
+    "Re-raise a read error of a damaged file as one `OSError` naming `path` (and `where` in it: ' after line 9')."
+    try:
+        yield
+    except READ_ERRORS as e:
+        raise OSError(f"{path}: unreadable{where}: {e}") from e
+
+def _folder_documents(folder: Path, fmt: str) -> Iterator[Document]:
+    "The documents datatrove's writers left in `folder`, read file by file so that a damaged file fails naming itself."
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+    reader = JsonlReader(str(folder), add_file_path=False) if fmt == "jsonl" else ParquetReader(str(folder))
+    for name in reader.data_folder.list_files(recursive=True):
+        with reading(folder / name):
+            yield from reader.read_file(name)
 
 # %% ../../../nbs/01a_ledger.ipynb #c7382688
 @patch
@@ -152,17 +173,18 @@ def _row(doc: Document | dict, source_key: str, language_key: str, tokens_key: s
         text, doc_id, meta = doc.text, doc.id, doc.metadata
     else:
         text, doc_id, meta = doc.get("text", ""), doc["id"], doc.get("metadata") or {}
-    if meta.get(tokens_key) is not None:
-        tokens = int(meta[tokens_key])
-    elif count_tokens is not None:
+    tokens = meta.get(tokens_key)
+    if tokens is None:
+        if count_tokens is None:
+            raise ValueError(f"document {doc_id!r} has no '{tokens_key}' metadata; pass count_tokens=")
         tokens = count_tokens(text)
-    else:
-        raise ValueError(f"document {doc_id!r} has no '{tokens_key}' metadata; pass count_tokens=")
+    elif isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"document {doc_id!r} has {tokens_key} {tokens!r}, which is no count (a whole number ≥ 0)")
     steps = [k.removesuffix("_decision") for k in meta if k.endswith("_decision")]
     removed = [s for s in steps if meta[f"{s}_decision"] == "removed"]
     if len(removed) > 1:
         raise ValueError(f"document {doc_id!r} was removed by several steps: {removed}")
     fields = {k: v for k, v in meta.items() if any(k.startswith(f"{s}_") for s in steps)}
     return {"id": doc_id, "url": meta.get("url"), "source": meta.get(source_key, "unknown"),
-            "language": meta.get(language_key, "unknown"), "chars": len(text), "tokens": tokens,
+            "language": meta.get(language_key, "unknown"), "chars": len(text), "tokens": int(tokens),
             "removed_by": removed[0] if removed else None, **fields}

@@ -17,8 +17,9 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['STAGES', 'MALFORMED_RAW_CHARS', 'LEDGER_KEYS', 'FIELD_TYPES', 'protect_fields', 'field_problem', 'ComplianceReader',
-           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'build_pipeline', 'make_reader', 'calibrate',
-           'WatchedLocalExecutor', 'make_executor', 'run_compliance', 'input_ids', 'plan_tasks', 'read_ledger']
+           'ComplianceParquetReader', 'Quarantine', 'FailClosed', 'CompliancePipeline', 'build_pipeline', 'make_reader',
+           'calibrate', 'WatchedLocalExecutor', 'make_executor', 'run_compliance', 'input_ids', 'plan_tasks',
+           'read_ledger']
 
 # %% ../../../nbs/04a_pipeline.ipynb #c891363a
 import multiprocess
@@ -33,7 +34,7 @@ from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.stats import PipelineStats
 
-from .ledger import Ledger, record
+from .ledger import Ledger, reading, record
 from .pii import PIIAnonymizer, PIIConfig
 from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
@@ -56,11 +57,13 @@ def protect_fields(meta: dict) -> dict:
     return meta
 
 def field_problem(meta: dict) -> str:
-    "Why a record's known fields have unusable types ('' when they are fine)."
+    "Why a record's known fields are unusable: a wrong type, or a negative token count ('' when they are fine)."
     for key, kind in FIELD_TYPES.items():
         value = meta.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             return f"{key} is {type(value).__name__} {str(value)[:40]!r}, expected {kind.__name__}"
+    if (n := meta.get("token_count")) is not None and n < 0:
+        return f"token_count is {n}, a count cannot be negative"
     return ""
 
 def _malformed(reason: str, raw: str, doc_id: str, filepath: str, error: str = "") -> Document:
@@ -101,7 +104,7 @@ class ComplianceReader(_NeverDrop, JsonlReader):
 
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
-            for li, raw in enumerate(_lines(f, filepath)):
+            for li, raw in enumerate(_lines(f, self.data_folder.resolve_paths(filepath))):
                 if raw.strip():  # blank lines are not records
                     with self.track_time():
                         doc = self.parse_line(raw, filepath, li)
@@ -129,10 +132,8 @@ def _lines(f, filepath: str):
     "The lines of an open input file; a truncated or corrupt .gz fails naming the file and the line it reached."
     n = 0
     while True:
-        try:
+        with reading(filepath, f" after line {n}"):
             raw = f.readline()
-        except (OSError, EOFError) as e:
-            raise OSError(f"{filepath}: unreadable after line {n}: {e}") from e
         if not raw:
             return
         n += 1
@@ -151,14 +152,15 @@ class ComplianceParquetReader(_NeverDrop, ParquetReader):
 
     def row_group_rows(self, filepath: str) -> list[int]:
         import pyarrow.parquet as pq
-        with self.data_folder.open(filepath, "rb") as f:
+        with self.data_folder.open(filepath, "rb") as f, reading(self.data_folder.resolve_paths(filepath)):
             meta = pq.ParquetFile(f).metadata
             return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def read_row_group(self, filepath: str, group: int):
         import pyarrow.parquet as pq
         first = sum(self.row_group_rows(filepath)[:group])  # ids of rows without one: <file>/<row in file>
-        with self.data_folder.open(filepath, "rb") as f:
+        path = self.data_folder.resolve_paths(filepath)
+        with self.data_folder.open(filepath, "rb") as f, reading(path, f" in row group {group}"):
             rows = pq.ParquetFile(f).read_row_group(group).to_pylist()
         for i, row in enumerate(rows):
             with self.track_time():
@@ -216,9 +218,15 @@ def _one(self: FailClosed, doc: Document, rank: int, world_size: int):
         self.step.exclusion_writer.write(doc, rank)
 
 # %% ../../../nbs/04a_pipeline.ipynb #930f8c41
+class CompliancePipeline(list):
+    "The steps of one compliance run, and the output folder they write into (whose lock a local run holds)."
+    def __init__(self, steps: list, output_dir: Path):
+        super().__init__(steps)
+        self.output_dir = output_dir
+
 def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = "tiny", *,
                    robots_snapshot, thresholds: dict[str, float] | None = None,
-                   heads_path: str | Path | None = None, fmt: str = "jsonl") -> list:
+                   heads_path: str | Path | None = None, fmt: str = "jsonl") -> CompliancePipeline:
     "reader → quarantine → robots → toxicity → PII → writer; every step fails closed into `removed/errors`."
     out, p = Path(output_dir), load_preset(preset)
     tox = p.section("toxicity", ToxicityConfig)
@@ -226,7 +234,7 @@ def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = 
     removed = lambda step: JsonlWriter(str(out / "removed" / step))
     guard = lambda step, name: FailClosed(step, JsonlWriter(str(out / "removed" / "errors"), output_filename=(
         f"{name}-${{rank}}.jsonl.gz")))
-    return [
+    return CompliancePipeline([
         make_reader(input_dir, fmt),
         Quarantine(exclusion_writer=removed("malformed")),
         guard(RobotsFilter(robots_snapshot, p.section("robots", RobotsConfig), exclusion_writer=removed("robots")),
@@ -234,7 +242,7 @@ def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = 
         guard(ToxicityFilter(tox, thresholds, heads_path, exclusion_writer=removed("toxicity")), "toxicity"),
         guard(PIIAnonymizer(p.section("pii", PIIConfig)), "pii"),
         JsonlWriter(str(out / "kept")),
-    ]
+    ], out)
 
 def make_reader(input_path: str | Path, fmt: str = "jsonl"):
     "The never-dropping reader for `fmt` over a folder (jsonl: `*.jsonl*` | parquet: `*.parquet`) or one file."
@@ -274,9 +282,18 @@ def _die_with_parent() -> None:
 
 # %% ../../../nbs/04a_pipeline.ipynb #43db6a38
 class WatchedLocalExecutor(LocalPipelineExecutor):
-    "datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it."
+    """datatrove's local executor, except that a worker that dies (OOM, kill -9) fails the run instead of hanging it,
+    and that a run holds the compliance lock of its output folder."""
+
+    def __init__(self, *args, lock_dir: str | Path | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lock_dir = lock_dir  # folder whose compliance lock `run` holds (None: the caller holds it)
 
     def run(self):
+        with folder_lock(self.lock_dir, "compliance run") if self.lock_dir else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self):
         ranks = self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks))
         if self.workers == 1 or not ranks:
             return super().run()
@@ -316,11 +333,15 @@ def _watch(self: WatchedLocalExecutor, pool, results, n: int) -> list:
     return stats
 
 def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: int, logging_dir: str | Path, **kwargs):
-    "The same pipeline under our watched local executor, datatrove's Slurm (`time=`, `partition=`) or Ray executor."
+    """The same pipeline under our watched local executor, datatrove's Slurm (`time=`, `partition=`) or Ray executor.
+    A local run of a `CompliancePipeline` holds its output folder's lock unless given `lock_dir=None`; Slurm and Ray
+    tasks may run on other machines, where a lock on this one proves nothing."""
     from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
     executors = {"local": WatchedLocalExecutor, "slurm": SlurmPipelineExecutor, "ray": RayPipelineExecutor}
     if kind not in executors:
         raise ValueError(f"executor must be one of {sorted(executors)}, got {kind!r}")
+    if kind == "local":
+        kwargs.setdefault("lock_dir", getattr(pipeline, "output_dir", None))
     if kind == "local" and kwargs.get("start_method", "forkserver") == "forkserver":
         multiprocess.get_context("forkserver").set_forkserver_preload([__name__])  # workers fork with the stages loaded
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
@@ -340,7 +361,8 @@ def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, outpu
             thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
         pipeline = build_pipeline(input_dir, out, preset, robots_snapshot=robots_snapshot, heads_path=heads_path,
                                   fmt=fmt)
-        make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs").run()
+        make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs",
+                      lock_dir=None).run()  # the lock is held here already
         ledger = read_ledger(out)
     ledger.check_conservation(ids)
     return ledger

@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 # %% auto #0
-__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
+__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'BINARY_SHARE', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
            'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
            'group_applied_before_07', 'strict_allowed', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text',
            'RobotsConfig', 'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains',
@@ -186,7 +186,7 @@ def strict_allowed(robots_txt: str, url: str, user_agent: str) -> bool:
 @dataclass(frozen=True)
 class MissingPolicy:
     "What a missing robots.txt means: 'allow' (everything may be used) or 'disallow' (nothing may)."
-    unavailable: str  # 4xx, > 5 redirects, a body that is not a robots.txt (HTML, binary)
+    unavailable: str  # 4xx, > 5 redirects, a body that is not a robots.txt (HTML, binary without a rule)
     unreachable: str  # 5xx, 429, network error, timeout
     invalid: str = "disallow"  # a snapshot row that cannot be read (a status that is no HTTP status): fail closed
 
@@ -232,20 +232,26 @@ def _status_code(value) -> int | None:
     return code if not isinstance(value, bool) and 100 <= code <= 599 or code == 0 else None
 
 # %% ../../../nbs/02_robots.ipynb #31fe4d1f
+BINARY_SHARE = 0.05  # share of control bytes in the first KiB above which a body without a rule keyword is binary
+_RULE_WORD = re.compile("|".join(map(re.escape, (*_UA_KEYS, "allow", *_DISALLOW_KEYS))), re.I)  # every key a parser reads
+
 def robots_text(body: bytes | str | None, max_bytes: int = MAX_ROBOTS_BYTES) -> tuple[str | None, str]:
-    "The parseable text of a 2xx body (first `max_bytes`, whole lines only) or (None, 'html' | 'binary')."
+    """The parseable text of a 2xx body (first `max_bytes`, whole lines only), or (None, 'html' | 'binary'): binary is
+    mostly control bytes with no rule keyword anywhere, so control bytes in a comment never hide a file's rules."""
     data = (body or b"").encode("utf-8") if isinstance(body, str) else bytes(body or b"")
     if len(data) > max_bytes:
         cut = data[:max_bytes]
         data = cut[: max(cut.rfind(b"\n"), cut.rfind(b"\r")) + 1]  # drop the partial last line (LF, CRLF or CR ends)
-    head = data[:1024]
-    controls = sum(b < 9 or 13 < b < 32 for b in head)
-    if controls > 0.05 * max(len(head), 1):  # mostly control bytes (gzip, images); a stray NUL is not enough
-        return None, "binary"
     text = data.decode("utf-8-sig", errors="replace").replace("\x00", "")
     if text.lstrip()[:15].lower().startswith(("<!doctype html", "<html", "<head", "<body")):
         return None, "html"
+    if _mostly_controls(data[:1024]) and not _RULE_WORD.search(text):
+        return None, "binary"  # gzip, images: no rule a crawler could obey
     return text, "ok"
+
+def _mostly_controls(head: bytes) -> bool:
+    "Are more than BINARY_SHARE of `head` C0 control bytes other than tab, LF, VT, FF and CR?"
+    return sum(b < 9 or 13 < b < 32 for b in head) > BINARY_SHARE * max(len(head), 1)
 
 # %% ../../../nbs/02_robots.ipynb #300b4247
 @dataclass(kw_only=True)
