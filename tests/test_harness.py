@@ -147,3 +147,34 @@ def test_heldout_tasks_never_emit_a_text_the_curriculum_reads(trained, pool_span
     assert "roh" in bpb and len(bpb["roh"]) == 30 + 4
     flagged = check.set_index(["source", "language"])["trained on"]
     assert flagged["UDHR por_PT", "por"] == 30 and flagged["UDHR roh", "roh"] == 0
+
+
+@pytest.fixture(scope="module")
+def backends(tok, tmp_path_factory):
+    "Ours and lm-eval's `hf` backend over the same random tiny model, both with a 16-token window."
+    model = _model("tiny")
+    folder = tmp_path_factory.mktemp("hf")
+    to_hf(model).save_pretrained(folder)
+    return OpenPretrainLM(model, tok, max_length=16, batch_size=2), hf_backend(folder, tok, max_length=16, batch_size=2)
+
+
+def _ll(lm, *pairs):
+    return lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
+
+
+def _assert_equal_scores(ours, theirs):
+    for (x, gx), (y, gy) in zip(ours, theirs, strict=True):
+        assert x == pytest.approx(y, abs=1e-4) and gx == gy
+
+
+ROH = " ".join(load_embedded("validation", languages=["roh"])["text"][:1])
+
+
+@pytest.mark.parametrize("context", ["  ", "\n", " \t "])
+def test_a_whitespace_only_context_scores_every_continuation_token(backends, context):
+    # lm-eval moves the context's trailing spaces to the continuation, which leaves an empty context: its rule for
+    # one is the prefix token. (Its hf backend, without an added BoS, asserts on the empty encoding here; with a
+    # BoS-adding tokenizer it conditions on that BoS, i.e. gives exactly this.)
+    ours, theirs = backends
+    cont = "Uman liber e egual en dignitad"
+    _assert_equal_scores(_ll(ours, (context, cont)), _ll(theirs, ("", context + cont)))

@@ -63,12 +63,12 @@ class EvaluationConfig:
 # %% ../../../nbs/13_evaluation.ipynb #e3a28698
 def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
     "lm-eval's split: trailing context spaces move to the continuation; encode whole, cut at len(encode(context))."
-    if not context:
-        return [prefix_id], tokenizer.encode(continuation)
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    if not ctx:  # an empty context, or one of spaces only: lm-eval's prefix token, unless the text starts with it
+        return (whole[:1], whole[1:]) if whole[:1] == [prefix_id] else ([prefix_id], whole)
     return ctx, whole[len(ctx):]
 
 # %% ../../../nbs/13_evaluation.ipynb #6bed8b9f
