@@ -178,3 +178,17 @@ def test_a_whitespace_only_context_scores_every_continuation_token(backends, con
     ours, theirs = backends
     cont = "Uman liber e egual en dignitad"
     _assert_equal_scores(_ll(ours, (context, cont)), _ll(theirs, ("", context + cont)))
+
+
+
+def test_a_continuation_longer_than_max_length_is_refused_like_lm_eval(tok, backends):
+    ours, theirs = backends
+    ctx, rest = ROH[:60], ROH[60:400]
+    fits = next(b for b in range(len(rest)) if len(encode_pair(tok, ctx, rest[:b], tok.bos_id)[1]) == 16)
+    # 16 continuation tokens: both score all of them, the context cut to its last token
+    _assert_equal_scores(_ll(ours, (ctx, rest[:fits])), _ll(theirs, (ctx, rest[:fits])))
+    longer = (ctx, rest[:fits + 40])   # cut to its last 16 tokens, its first words would not count
+    with pytest.raises(ValueError, match="continuation of .* tokens exceeds max_length 16"):
+        _ll(ours, longer)
+    with pytest.raises(AssertionError):  # lm-eval's hf backend refuses it too (`len(continuation_enc) <= max_length`)
+        _ll(theirs, longer)

@@ -76,6 +76,10 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> t
 def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max_length: int,
                  batch_size: int = 8) -> list[tuple[float, bool]]:
     "(context ids, continuation ids) pairs → [(sum of continuation log-probs, continuation is greedy)], in order."
+    longest = max((len(cont) for _, cont in pairs), default=0)
+    if longest > max_length:
+        raise ValueError(f"a continuation of {longest} tokens exceeds max_length {max_length}: only the context is cut to "
+                         "fit (as lm-eval's hf backend does); raise max_length or shorten the continuation")
     device = next(model.parameters()).device
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     out: list[tuple[float, bool] | None] = [None] * len(pairs)
@@ -87,8 +91,7 @@ def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max
             ids[r, :len(row)] = torch.tensor(row)
         logprobs = F.log_softmax(model(ids.to(device)).float(), dim=-1).cpu()  # (b, T, V)
         for r, i in enumerate(idx):
-            n = len(rows[r])
-            cont = torch.tensor(pairs[i][1][-n:])  # a continuation longer than the window: its last n tokens
+            n, cont = len(rows[r]), torch.tensor(pairs[i][1])  # the row holds the whole continuation and a token before
             lp = logprobs[r, n - len(cont):n]                                  # (len(cont), V)
             out[i] = (lp.gather(-1, cont[:, None]).sum().item(), bool((lp.argmax(-1) == cont).all()))
     return out
