@@ -192,3 +192,41 @@ def test_a_continuation_longer_than_max_length_is_refused_like_lm_eval(tok, back
         _ll(ours, longer)
     with pytest.raises(AssertionError):  # lm-eval's hf backend refuses it too (`len(continuation_enc) <= max_length`)
         _ll(theirs, longer)
+
+
+
+@pytest.mark.parametrize("kind, args", [("loglikelihood", ("Uman \ud800", " liber")),
+                                        ("loglikelihood", ("Uman", " lib\udfffer")),
+                                        ("loglikelihood_rolling", ("\ud83d Uman liber",)),
+                                        ("generate_until", ("Uman \ud800", {"until": ["."], "max_gen_toks": 2}))])
+def test_a_lone_surrogate_is_refused_naming_the_task_and_document(backends, kind, args):
+    ours, _ = backends
+    request = Instance(kind, {}, args, 0, metadata=("openpretrain_continuation", 7, 1))
+    with pytest.raises(ValueError, match=r"openpretrain_continuation.*document 7.*lone surrogate U\+D[89A-F][0-9A-F]{2}"):
+        getattr(ours, kind)([request])
+
+
+class _Bounded(torch.nn.Module):
+    "A model whose forward runs out of memory above 3 rows (as CUDA reports it)."
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, ids, **kw):
+        if ids.shape[0] > 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(ids, **kw)
+
+
+@pytest.mark.parametrize("batch_size", ["auto", "auto:4", 3, "3"])
+def test_batch_sizes_parse_like_lm_eval_and_auto_finds_one_that_fits(tok, backends, batch_size):
+    ours, theirs = backends
+    pairs = [(ROH[:a], ROH[a:a + 30]) for a in (5, 20, 40, 60, 80)]
+    lm = OpenPretrainLM(_Bounded(ours.model), tok, max_length=16, batch_size=batch_size, max_batch_size=8)
+    _assert_equal_scores(_ll(lm, *pairs), _ll(theirs, *pairs))
+
+
+@pytest.mark.parametrize("batch_size", ["auto4", "auto:", "auto:0", "auto:x", "0", "-2", "eight", "2.5"])
+def test_a_batch_size_lm_eval_would_not_parse_is_refused_in_its_terms(tok, backends, batch_size):
+    with pytest.raises(ValueError, match="positive integer, 'auto' or 'auto:N'"):
+        OpenPretrainLM(backends[0].model, tok, batch_size=batch_size)

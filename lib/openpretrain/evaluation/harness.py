@@ -35,10 +35,10 @@ from ..training.curriculum import load_curriculum, run_stages
 from ..training.data import DataConfig, token_pools, tokenize_curriculum
 
 # %% auto #0
-__all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'OpenPretrainLM', 'udhr_versions',
-           'udhr_documents', 'validation_documents', 'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap',
-           'validation_sentences', 'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'main',
-           'run_fingerprint', 'hf_backend']
+__all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'parse_batch_size',
+           'detect_batch_size', 'OpenPretrainLM', 'udhr_versions', 'udhr_documents', 'validation_documents',
+           'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap', 'validation_sentences',
+           'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'main', 'run_fingerprint', 'hf_backend']
 
 # %% ../../../nbs/13_evaluation.ipynb #efdb1554
 @dataclass(kw_only=True)
@@ -147,34 +147,77 @@ def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: 
         model = load_model(model_config(preset), checkpoint)
     return model.to(device or next(model.parameters()).device).eval()
 
+# %% ../../../nbs/13_evaluation.ipynb #1adeadb4
+def _request_args(requests) -> list[tuple]:
+    "Each lm-eval request's arguments; ValueError naming the task and document of a string no tokenizer can encode."
+    for r in requests:
+        for text in (a for a in r.args if isinstance(a, str)):
+            if bad := re.search("[\ud800-\udfff]", text):
+                raise ValueError(f"{r.request_type} request of task {r.task_name}, document {r.doc_id}: a lone surrogate "
+                                 f"U+{ord(bad.group()):04X} at character {bad.start()} is not valid Unicode, and no "
+                                 "tokenizer encodes it; fix the task's text")
+    return [r.args for r in requests]
+
+# %% ../../../nbs/13_evaluation.ipynb #0df97b37
+def parse_batch_size(batch_size: int | str) -> int | str:
+    "lm-eval's batch sizes: a positive integer, 'auto' or 'auto:N' → that integer, or 'auto'."
+    head, colon, n = str(batch_size).partition(":")
+    try:
+        ok = (head == "auto" and (not colon or float(n) > 0)) or (not colon and int(head) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"batch_size must be a positive integer, 'auto' or 'auto:N' (lm-eval's forms), got {batch_size!r}")
+    return "auto" if head == "auto" else int(head)
+
+@torch.no_grad()
+def detect_batch_size(model: nn.Module, length: int, max_batch_size: int = 64) -> int:
+    "lm-eval's `auto`: the first of max_batch_size, 0.9 × that, … rows whose forward over `length` tokens fits in memory."
+    from accelerate.utils import find_executable_batch_size
+    device = next(model.parameters()).device
+    @find_executable_batch_size(starting_batch_size=max_batch_size)
+    def fits(batch_size: int) -> int:
+        F.log_softmax(model(torch.ones(batch_size, length, dtype=torch.long, device=device)).float(), dim=-1)
+        return batch_size
+    return fits()
+
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
 @register_model("openpretrain")
 class OpenPretrainLM(LM):
     "lm-eval model over an openpretrain dense or hybrid model (object, or a trainer checkpoint + its preset)."
     def __init__(self, model: nn.Module | None = None, tokenizer=None, *, checkpoint: str | None = None,
                  preset: str = "tiny", batch_size: int | str = 8, max_length: int | None = None,
-                 device: str | None = None, max_batch_size: int | None = None):  # max_batch_size: lm-eval CLI, unused
+                 device: str | None = None, max_batch_size: int | None = None):
         super().__init__()
         p = load_preset(preset)   # lm-eval's entry point: `--model_args checkpoint=…,preset=…` names it
         self.model = model = _model_to_evaluate(model, checkpoint, p, device)
         self.tokenizer = tokenizer or load_tokenizer(p.section("tokenizer", TokenizerConfig))
-        self.batch_size = 8 if batch_size == "auto" else int(batch_size)
+        self.batch_size = parse_batch_size(batch_size)
+        self.max_batch_size = max_batch_size or 64  # where `auto` starts its search (lm-eval's hf default)
         self.max_length = int(max_length or getattr(model.config, "max_seq_len", None) or 2048)
         self.prefix_id, self.eod_id = self.tokenizer.bos_id, self.tokenizer.eos_id
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [encode_pair(self.tokenizer, *r.args, self.prefix_id) for r in requests]
-        return score_tokens(self.model, pairs, self.max_length, self.batch_size)
+        pairs = [encode_pair(self.tokenizer, *args, self.prefix_id) for args in _request_args(requests)]
+        longest = max((min(len(c) + len(x) - 1, self.max_length) for c, x in pairs), default=1)  # tokens of a row
+        return score_tokens(self.model, pairs, self.max_length, self._batch_size(longest))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        pairs, owner = _rolling_pairs(self.tokenizer, [r.args[0] for r in requests], self.prefix_id, self.max_length)
+        texts = [text for text, in _request_args(requests)]
+        pairs, owner = _rolling_pairs(self.tokenizer, texts, self.prefix_id, self.max_length)
+        scores = score_tokens(self.model, pairs, self.max_length, self._batch_size(self.max_length))  # as lm-eval's hf
         totals = [0.0] * len(requests)
-        for i, (lp, _) in zip(owner, score_tokens(self.model, pairs, self.max_length, self.batch_size)):
+        for i, (lp, _) in zip(owner, scores):
             totals[i] += lp
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        return generate_texts(self.model, self.tokenizer, [r.args for r in requests], self.max_length, self.batch_size)
+        args = _request_args(requests)
+        return generate_texts(self.model, self.tokenizer, args, self.max_length, self._batch_size(self.max_length))
+
+    def _batch_size(self, length: int) -> int:
+        "The fixed batch size, or lm-eval's `auto` searched for at rows of `length` tokens."
+        return self.batch_size if self.batch_size != "auto" else detect_batch_size(self.model, length, self.max_batch_size)
 
 # %% ../../../nbs/13_evaluation.ipynb #8ae6b044
 def udhr_versions(language: str) -> list[str]:
