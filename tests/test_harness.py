@@ -230,3 +230,35 @@ def test_batch_sizes_parse_like_lm_eval_and_auto_finds_one_that_fits(tok, backen
 def test_a_batch_size_lm_eval_would_not_parse_is_refused_in_its_terms(tok, backends, batch_size):
     with pytest.raises(ValueError, match="positive integer, 'auto' or 'auto:N'"):
         OpenPretrainLM(backends[0].model, tok, batch_size=batch_size)
+
+
+
+def _cli_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("openpretrain eval: "), err
+    return err
+
+
+def test_cli_says_in_one_line_what_a_bad_checkpoint_path_is(tmp_path, capsys):
+    from openpretrain.training.checkpoint import write_checkpoint
+    run = tmp_path / "run"
+    good = write_checkpoint(run / "checkpoints", 1, {"model.safetensors": _model("tiny-hybrid").state_dict()})
+    broken = write_checkpoint(run / "checkpoints", 2, {"model.safetensors": _model("tiny-hybrid").state_dict()})
+    (broken / "model.safetensors").write_bytes(b"truncated")   # the newest: refused, so step 1 is named
+    (run / "metrics.jsonl").write_text("")
+    args = ("--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh", "--limit", "1")
+    assert "no such folder" in _cli_error(capsys, "--checkpoint", str(tmp_path / "missing"), *args)
+    assert f"a run folder, not a checkpoint: its newest valid checkpoint is {good}" in _cli_error(
+        capsys, "--checkpoint", str(run), *args)
+    assert f"its newest valid checkpoint is {good}" in _cli_error(capsys, "--checkpoint", str(run / "checkpoints"), *args)
+    assert "a file" in _cli_error(capsys, "--checkpoint", str(good / "model.safetensors"), *args)
+    assert "does not match its sha256" in _cli_error(capsys, "--checkpoint", str(broken), *args)
+    assert "--preset it was trained with" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "tiny")
+    assert "no preset 'nope'" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "nope")
+    assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "0")
+    assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "one")
+    assert "--checkpoint" in _cli_error(capsys, "--preset", "tiny")
+    assert "--out" in _cli_error(capsys, "--checkpoint", str(good), *args, "--out", str(tmp_path / "no" / "r.csv"))
+    assert "device must be" in _cli_error(capsys, "--checkpoint", str(good), *args, "--device", "tpu")
+    assert "no lm-eval task" in _cli_error(capsys, "--checkpoint", str(good), *args[:2], "--tasks", "openpretrain_bpb_xyz")

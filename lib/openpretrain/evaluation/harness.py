@@ -9,10 +9,14 @@ and nothing else."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import random
 import re
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,12 +29,12 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from torch import nn
 
-from ..core import ConfigError, Preset, load_preset, project_root, to_dict
+from ..core import ConfigError, Preset, load_preset, project_root, resolve_device, to_dict
 from ..corpus import load_embedded, load_udhr
 from ..models.common import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
 from ..models.registry import model_config
-from ..training.checkpoint import load_model
+from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
 from ..training.curriculum import load_curriculum, run_stages
 from ..training.data import DataConfig, token_pools, tokenize_curriculum
 
@@ -38,7 +42,8 @@ from ..training.data import DataConfig, token_pools, tokenize_curriculum
 __all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'parse_batch_size',
            'detect_batch_size', 'OpenPretrainLM', 'udhr_versions', 'udhr_documents', 'validation_documents',
            'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap', 'validation_sentences',
-           'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'main', 'run_fingerprint', 'hf_backend']
+           'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'checkpoint_folder', 'main',
+           'run_fingerprint', 'hf_backend']
 
 # %% ../../../nbs/13_evaluation.ipynb #efdb1554
 @dataclass(kw_only=True)
@@ -382,6 +387,8 @@ def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None =
     from lm_eval.tasks import TaskManager
     local = all(t.startswith("openpretrain") for t in tasks)  # lm-eval's 10k+ hub task YAMLs are indexed only if needed
     manager = TaskManager(include_path=str(task_dir), include_defaults=not local)
+    if unknown := sorted(set(tasks) - set(manager.all_tasks)):
+        raise ConfigError(f"tasks {', '.join(unknown)}: no lm-eval task, group or tag of that name")
     res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                           bootstrap_iters=0, log_samples=False)
     rows = [{"task": task, "metric": key.split(",")[0], "value": value}
@@ -389,21 +396,66 @@ def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None =
             if "," in key and "stderr" not in key and isinstance(value, (int, float))]
     return pd.DataFrame(rows).sort_values(["task", "metric"], ignore_index=True)
 
+# %% ../../../nbs/13_evaluation.ipynb #21d8ee86
+def checkpoint_folder(path: str | Path) -> Path:
+    "`path`, if it can be one trainer checkpoint (…/checkpoints/step-N); else ConfigError saying what it is instead."
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {path}: {'a file' if path.exists() else 'no such folder'}, "
+                          "not a checkpoint folder (…/checkpoints/step-NNNNNNNN)")
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if root != path or checkpoints(root):  # a run folder, or its checkpoints/ folder
+        with contextlib.redirect_stderr(io.StringIO()):  # its notes on refused checkpoints: the error stays one line
+            newest = latest_valid_checkpoint(root)
+        found = f"its newest valid checkpoint is {newest}" if newest else "it holds no valid checkpoint"
+        raise ConfigError(f"--checkpoint {path} is a {'run' if root != path else 'checkpoints'} folder, not a "
+                          f"checkpoint: {found}")
+    return path
+
+def _load(p: Preset, checkpoint: Path) -> nn.Module:
+    "The model of preset `p` holding `checkpoint`'s weights; ConfigError if they fail the manifest or are another model's."
+    try:
+        return load_model(model_config(p), checkpoint)
+    except CheckpointError as e:
+        raise ConfigError(f"--checkpoint {e}") from None
+    except RuntimeError as e:  # load_state_dict(strict=True): missing, unexpected or differently shaped weights
+        why = textwrap.shorten(str(e).splitlines()[-1], 90)
+        raise ConfigError(f"--checkpoint {checkpoint} does not hold a {p.name} model ({why}): pass the --preset it "
+                          "was trained with") from None
+
 # %% ../../../nbs/13_evaluation.ipynb #10e60f01
+class _Parser(argparse.ArgumentParser):
+    "argparse whose errors are ConfigErrors (one line through `main`), not a usage block and exit."
+    def error(self, message: str):
+        raise ConfigError(message)
+
 def main(argv: list[str] | None = None) -> int:
-    "openpretrain eval: run lm-eval tasks on a trainer checkpoint; prints and optionally writes the results table."
-    ap = argparse.ArgumentParser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint")
+    "openpretrain eval: run lm-eval tasks on a trainer checkpoint; any error is one line on stderr and exit status 2."
+    try:
+        return _eval(argv)
+    except ConfigError as e:
+        print(f"openpretrain eval: {e}", file=sys.stderr)
+        return 2
+
+def _eval(argv: list[str] | None) -> int:
+    "Evaluate the checkpoint `argv` names; prints and optionally writes the results table."
+    ap = _Parser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint")
     ap.add_argument("--checkpoint", required=True, help="a trainer checkpoint folder (…/checkpoints/step-N)")
     ap.add_argument("--preset", default="tiny", help="the preset the checkpoint was trained with")
     ap.add_argument("--tasks", nargs="+", help="task or tag names; default: the preset's evaluation.tasks")
     ap.add_argument("--limit", type=int, help="examples per task")
     ap.add_argument("--out", help="write the results as CSV here")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto")
     args = ap.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ConfigError(f"--out {args.out}: its folder does not exist")
     p = load_preset(args.preset)
     cfg = p.section("evaluation", EvaluationConfig)
-    lm = OpenPretrainLM(load_model(model_config(p), args.checkpoint), load_tokenizer(p.section("tokenizer", TokenizerConfig)),
-                        batch_size=cfg.batch_size, max_length=cfg.max_length, device=args.device)
+    model = _load(p, checkpoint_folder(args.checkpoint))
+    lm = OpenPretrainLM(model, load_tokenizer(p.section("tokenizer", TokenizerConfig)), batch_size=cfg.batch_size,
+                        max_length=cfg.max_length, device=resolve_device(args.device))
     bpb, items, _ = heldout_tasks(cfg, trained_texts([p], cfg.heldout_ngram))  # held out from its curriculum
     table = evaluate(lm, args.tasks or cfg.tasks, write_tasks(bpb, items), args.limit)
     print(table.to_string(index=False))
