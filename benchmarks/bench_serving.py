@@ -13,6 +13,7 @@ import argparse
 import torch
 
 from openpretrain.core import load_preset
+from openpretrain.models.registry import model_config
 from openpretrain.evaluation.serving import ServingConfig, run_serving, tps_ratio
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     cfg = ServingConfig(models=tiny.models, batch=args.batch, o_long=args.o_long, contexts=sorted(args.contexts),
                         reps=args.reps, dtype="float32" if args.device == "cpu" else "bfloat16")
     with torch.no_grad():
-        timings = run_serving(cfg, args.device)
+        timings = run_serving(cfg, {m: model_config(load_preset(m)) for m in cfg.models}, args.device)
     for row in timings.itertuples():
         print(f"{row.preset:12s} context {row.context:6d}: t(1) {row.t_short_s:7.3f} s, t({cfg.o_long}) "
               f"{row.t_long_s:7.3f} s → {row.decode_tps:8.1f} tok/s")

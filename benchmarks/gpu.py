@@ -184,9 +184,11 @@ def mamba_ssd():
 
 def serving_sweep():
     "Soofi Eq. 1 on one GPU: gpu-1's serving section (B = 32, O_long = 1024), dense vs hybrid, contexts up to what fits."
-    from openpretrain.core import load_preset
+    from openpretrain.core import ConfigError, load_preset
     from openpretrain.evaluation.serving import ServingConfig, run_serving, tps_ratio
+    from openpretrain.models.registry import model_config
     cfg = load_preset("gpu-1").section("serving", ServingConfig)
+    models = {m: model_config(load_preset(m)) for m in cfg.models}
     rows = []
     for ctx in cfg.contexts:  # one context at a time: stop at the first that runs out of memory or budget
         if elapsed() > BUDGET_S:
@@ -194,9 +196,12 @@ def serving_sweep():
             break
         try:
             with torch.no_grad():
-                rows.append(run_serving(dataclasses.replace(cfg, contexts=[ctx]), "cuda"))
+                rows.append(run_serving(dataclasses.replace(cfg, contexts=[ctx]), models, "cuda"))
         except torch.OutOfMemoryError:
             print(f"context {ctx}: out of memory at B = {cfg.batch}")
+            break
+        except ConfigError as e:  # refused before allocating: beyond the model's limit or surely beyond free memory
+            print(f"context {ctx}: {e}")
             break
         finally:
             torch.cuda.empty_cache()

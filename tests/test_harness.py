@@ -147,3 +147,118 @@ def test_heldout_tasks_never_emit_a_text_the_curriculum_reads(trained, pool_span
     assert "roh" in bpb and len(bpb["roh"]) == 30 + 4
     flagged = check.set_index(["source", "language"])["trained on"]
     assert flagged["UDHR por_PT", "por"] == 30 and flagged["UDHR roh", "roh"] == 0
+
+
+@pytest.fixture(scope="module")
+def backends(tok, tmp_path_factory):
+    "Ours and lm-eval's `hf` backend over the same random tiny model, both with a 16-token window."
+    model = _model("tiny")
+    folder = tmp_path_factory.mktemp("hf")
+    to_hf(model).save_pretrained(folder)
+    return OpenPretrainLM(model, tok, max_length=16, batch_size=2), hf_backend(folder, tok, max_length=16, batch_size=2)
+
+
+def _ll(lm, *pairs):
+    return lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
+
+
+def _assert_equal_scores(ours, theirs):
+    for (x, gx), (y, gy) in zip(ours, theirs, strict=True):
+        assert x == pytest.approx(y, abs=1e-4) and gx == gy
+
+
+ROH = " ".join(load_embedded("validation", languages=["roh"])["text"][:1])
+
+
+@pytest.mark.parametrize("context", ["  ", "\n", " \t "])
+def test_a_whitespace_only_context_scores_every_continuation_token(backends, context):
+    # lm-eval moves the context's trailing spaces to the continuation, which leaves an empty context: its rule for
+    # one is the prefix token. (Its hf backend, without an added BoS, asserts on the empty encoding here; with a
+    # BoS-adding tokenizer it conditions on that BoS, i.e. gives exactly this.)
+    ours, theirs = backends
+    cont = "Uman liber e egual en dignitad"
+    _assert_equal_scores(_ll(ours, (context, cont)), _ll(theirs, ("", context + cont)))
+
+
+
+def test_a_continuation_longer_than_max_length_is_refused_like_lm_eval(tok, backends):
+    ours, theirs = backends
+    ctx, rest = ROH[:60], ROH[60:400]
+    fits = next(b for b in range(len(rest)) if len(encode_pair(tok, ctx, rest[:b], tok.bos_id)[1]) == 16)
+    # 16 continuation tokens: both score all of them, the context cut to its last token
+    _assert_equal_scores(_ll(ours, (ctx, rest[:fits])), _ll(theirs, (ctx, rest[:fits])))
+    longer = (ctx, rest[:fits + 40])   # cut to its last 16 tokens, its first words would not count
+    with pytest.raises(ValueError, match="continuation of .* tokens exceeds max_length 16"):
+        _ll(ours, longer)
+    with pytest.raises(AssertionError):  # lm-eval's hf backend refuses it too (`len(continuation_enc) <= max_length`)
+        _ll(theirs, longer)
+
+
+
+@pytest.mark.parametrize("kind, args", [("loglikelihood", ("Uman \ud800", " liber")),
+                                        ("loglikelihood", ("Uman", " lib\udfffer")),
+                                        ("loglikelihood_rolling", ("\ud83d Uman liber",)),
+                                        ("generate_until", ("Uman \ud800", {"until": ["."], "max_gen_toks": 2}))])
+def test_a_lone_surrogate_is_refused_naming_the_task_and_document(backends, kind, args):
+    ours, _ = backends
+    request = Instance(kind, {}, args, 0, metadata=("openpretrain_continuation", 7, 1))
+    with pytest.raises(ValueError, match=r"openpretrain_continuation.*document 7.*lone surrogate U\+D[89A-F][0-9A-F]{2}"):
+        getattr(ours, kind)([request])
+
+
+class _Bounded(torch.nn.Module):
+    "A model whose forward runs out of memory above 3 rows (as CUDA reports it)."
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, ids, **kw):
+        if ids.shape[0] > 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(ids, **kw)
+
+
+@pytest.mark.parametrize("batch_size", ["auto", "auto:4", 3, "3"])
+def test_batch_sizes_parse_like_lm_eval_and_auto_finds_one_that_fits(tok, backends, batch_size):
+    ours, theirs = backends
+    pairs = [(ROH[:a], ROH[a:a + 30]) for a in (5, 20, 40, 60, 80)]
+    lm = OpenPretrainLM(_Bounded(ours.model), tok, max_length=16, batch_size=batch_size, max_batch_size=8)
+    _assert_equal_scores(_ll(lm, *pairs), _ll(theirs, *pairs))
+
+
+@pytest.mark.parametrize("batch_size", ["auto4", "auto:", "auto:0", "auto:x", "0", "-2", "eight", "2.5"])
+def test_a_batch_size_lm_eval_would_not_parse_is_refused_in_its_terms(tok, backends, batch_size):
+    with pytest.raises(ValueError, match="positive integer, 'auto' or 'auto:N'"):
+        OpenPretrainLM(backends[0].model, tok, batch_size=batch_size)
+
+
+
+def _cli_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("openpretrain eval: "), err
+    return err
+
+
+def test_cli_says_in_one_line_what_a_bad_checkpoint_path_is(tmp_path, capsys):
+    from openpretrain.training.checkpoint import write_checkpoint
+    run = tmp_path / "run"
+    good = write_checkpoint(run / "checkpoints", 1, {"model.safetensors": _model("tiny-hybrid").state_dict()})
+    broken = write_checkpoint(run / "checkpoints", 2, {"model.safetensors": _model("tiny-hybrid").state_dict()})
+    (broken / "model.safetensors").write_bytes(b"truncated")   # the newest: refused, so step 1 is named
+    (run / "metrics.jsonl").write_text("")
+    args = ("--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh", "--limit", "1")
+    assert "no such folder" in _cli_error(capsys, "--checkpoint", str(tmp_path / "missing"), *args)
+    assert f"a run folder, not a checkpoint: its newest valid checkpoint is {good}" in _cli_error(
+        capsys, "--checkpoint", str(run), *args)
+    assert f"its newest valid checkpoint is {good}" in _cli_error(capsys, "--checkpoint", str(run / "checkpoints"), *args)
+    assert "a file" in _cli_error(capsys, "--checkpoint", str(good / "model.safetensors"), *args)
+    assert "does not match its sha256" in _cli_error(capsys, "--checkpoint", str(broken), *args)
+    assert "--preset it was trained with" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "tiny")
+    assert "no preset 'nope'" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "nope")
+    assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "0")
+    assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "one")
+    assert "--checkpoint" in _cli_error(capsys, "--preset", "tiny")
+    assert "--out" in _cli_error(capsys, "--checkpoint", str(good), *args, "--out", str(tmp_path / "no" / "r.csv"))
+    assert "device must be" in _cli_error(capsys, "--checkpoint", str(good), *args, "--device", "tpu")
+    assert "no lm-eval task" in _cli_error(capsys, "--checkpoint", str(good), *args[:2], "--tasks", "openpretrain_bpb_xyz")

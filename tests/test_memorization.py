@@ -156,3 +156,21 @@ def test_a_curriculum_reading_the_copies_not_exactly_once_is_refused(tmp_path):
     pl, _ = probe_setup(tmp_path, {0: 2, 1: 3}, rows=64, extra_probe_rows=1)
     with pytest.raises(ConfigError, match="exactly once"):
         probe_loader(pl, TOKENIZER, 0, 1, None, probe_dir=tmp_path)
+
+
+@pytest.mark.parametrize("key", ["prefix_lengths", "offsets", "repetitions"])
+def test_config_names_the_key_of_an_empty_list(key):
+    with pytest.raises(ConfigError, match=f"memorization.{key}"):
+        MemorizationConfig(**{key: []})
+
+
+def test_prompts_longer_than_a_passage_are_refused_naming_the_keys():
+    passages = [list(range(10, 30)), list(range(50, 60))]           # 20 and 10 tokens
+    with pytest.raises(ConfigError, match="passage 1 has 10 tokens.*offset 5 .* prefix 4 .* suffix_length 3 .* 12"):
+        probe_prompts(passages, 5, 4, 3, bod=1)
+
+
+@pytest.mark.parametrize("seq_len", [0, 1, 2])
+def test_a_probe_row_needs_room_for_bod_a_passage_token_and_eod(seq_len):
+    with pytest.raises(ConfigError, match=f"data.seq_len {seq_len}"):
+        probe_row([100, 101, 102], 1, 2, seq_len)

@@ -66,3 +66,21 @@ def test_serving_sweep_times_each_context_with_cached_decoding():
     for r in rows:
         assert r["t_long_s"] > r["t_short_s"] > 0
         assert r["decode_tps"] == pytest.approx(2 * 32 / (r["t_long_s"] - r["t_short_s"]))
+
+
+def test_a_sweep_that_cannot_fit_is_refused_before_allocating():
+    import resource
+
+    from openpretrain.core import ConfigError
+    from openpretrain.evaluation.serving import ServingConfig, run_serving
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss                   # KiB
+    hybrid = build_model(model_config(load_preset("tiny-hybrid"))).eval()      # no positional limit: memory decides
+    with pytest.raises(ConfigError, match=r"serving.contexts: .*1000000000 tokens .* need at least .* GiB"):
+        serving_sweep(hybrid, [16, 10**9], batch=1, o_long=4)
+    dense = build_model(model_config(load_preset("tiny"))).eval()               # max_seq_len 256
+    with pytest.raises(ConfigError, match="serving.contexts: 300 .* o_long 4 .* context limit 256"):
+        serving_sweep(dense, [300], batch=1, o_long=4)
+    cfg = ServingConfig(models=["tiny"], batch=1, o_long=4, contexts=[10**9])  # run_serving extends RoPE: memory decides
+    with pytest.raises(ConfigError, match="serving.contexts"):
+        run_serving(cfg, {"tiny": model_config(load_preset("tiny"))})
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 2**20   # under 1 GiB more at the peak

@@ -9,10 +9,14 @@ and nothing else."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import random
 import re
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,19 +29,20 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from torch import nn
 
-from ..core import ConfigError, Preset, load_preset, project_root, to_dict
+from ..core import ConfigError, Preset, load_preset, project_root, resolve_device, to_dict
 from ..corpus import load_embedded, load_udhr
 from ..models.common import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
 from ..models.registry import model_config
-from ..training.checkpoint import load_model
+from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
 from ..training.curriculum import load_curriculum, run_stages
 from ..training.data import DataConfig, token_pools, tokenize_curriculum
 
 # %% auto #0
-__all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'OpenPretrainLM', 'udhr_versions',
-           'udhr_documents', 'validation_documents', 'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap',
-           'validation_sentences', 'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'main',
+__all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'parse_batch_size',
+           'detect_batch_size', 'OpenPretrainLM', 'udhr_versions', 'udhr_documents', 'validation_documents',
+           'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap', 'validation_sentences',
+           'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'checkpoint_folder', 'main',
            'run_fingerprint', 'hf_backend']
 
 # %% ../../../nbs/13_evaluation.ipynb #efdb1554
@@ -63,12 +68,12 @@ class EvaluationConfig:
 # %% ../../../nbs/13_evaluation.ipynb #e3a28698
 def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
     "lm-eval's split: trailing context spaces move to the continuation; encode whole, cut at len(encode(context))."
-    if not context:
-        return [prefix_id], tokenizer.encode(continuation)
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
+    if not ctx:  # an empty context, or one of spaces only: lm-eval's prefix token, unless the text starts with it
+        return (whole[:1], whole[1:]) if whole[:1] == [prefix_id] else ([prefix_id], whole)
     return ctx, whole[len(ctx):]
 
 # %% ../../../nbs/13_evaluation.ipynb #6bed8b9f
@@ -76,6 +81,10 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> t
 def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max_length: int,
                  batch_size: int = 8) -> list[tuple[float, bool]]:
     "(context ids, continuation ids) pairs → [(sum of continuation log-probs, continuation is greedy)], in order."
+    longest = max((len(cont) for _, cont in pairs), default=0)
+    if longest > max_length:
+        raise ValueError(f"a continuation of {longest} tokens exceeds max_length {max_length}: only the context is cut to "
+                         "fit (as lm-eval's hf backend does); raise max_length or shorten the continuation")
     device = next(model.parameters()).device
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     out: list[tuple[float, bool] | None] = [None] * len(pairs)
@@ -87,8 +96,7 @@ def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max
             ids[r, :len(row)] = torch.tensor(row)
         logprobs = F.log_softmax(model(ids.to(device)).float(), dim=-1).cpu()  # (b, T, V)
         for r, i in enumerate(idx):
-            n = len(rows[r])
-            cont = torch.tensor(pairs[i][1][-n:])  # a continuation longer than the window: its last n tokens
+            n, cont = len(rows[r]), torch.tensor(pairs[i][1])  # the row holds the whole continuation and a token before
             lp = logprobs[r, n - len(cont):n]                                  # (len(cont), V)
             out[i] = (lp.gather(-1, cont[:, None]).sum().item(), bool((lp.argmax(-1) == cont).all()))
     return out
@@ -144,34 +152,77 @@ def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: 
         model = load_model(model_config(preset), checkpoint)
     return model.to(device or next(model.parameters()).device).eval()
 
+# %% ../../../nbs/13_evaluation.ipynb #1adeadb4
+def _request_args(requests) -> list[tuple]:
+    "Each lm-eval request's arguments; ValueError naming the task and document of a string no tokenizer can encode."
+    for r in requests:
+        for text in (a for a in r.args if isinstance(a, str)):
+            if bad := re.search("[\ud800-\udfff]", text):
+                raise ValueError(f"{r.request_type} request of task {r.task_name}, document {r.doc_id}: a lone surrogate "
+                                 f"U+{ord(bad.group()):04X} at character {bad.start()} is not valid Unicode, and no "
+                                 "tokenizer encodes it; fix the task's text")
+    return [r.args for r in requests]
+
+# %% ../../../nbs/13_evaluation.ipynb #0df97b37
+def parse_batch_size(batch_size: int | str) -> int | str:
+    "lm-eval's batch sizes: a positive integer, 'auto' or 'auto:N' → that integer, or 'auto'."
+    head, colon, n = str(batch_size).partition(":")
+    try:
+        ok = (head == "auto" and (not colon or float(n) > 0)) or (not colon and int(head) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"batch_size must be a positive integer, 'auto' or 'auto:N' (lm-eval's forms), got {batch_size!r}")
+    return "auto" if head == "auto" else int(head)
+
+@torch.no_grad()
+def detect_batch_size(model: nn.Module, length: int, max_batch_size: int = 64) -> int:
+    "lm-eval's `auto`: the first of max_batch_size, 0.9 × that, … rows whose forward over `length` tokens fits in memory."
+    from accelerate.utils import find_executable_batch_size
+    device = next(model.parameters()).device
+    @find_executable_batch_size(starting_batch_size=max_batch_size)
+    def fits(batch_size: int) -> int:
+        F.log_softmax(model(torch.ones(batch_size, length, dtype=torch.long, device=device)).float(), dim=-1)
+        return batch_size
+    return fits()
+
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
 @register_model("openpretrain")
 class OpenPretrainLM(LM):
     "lm-eval model over an openpretrain dense or hybrid model (object, or a trainer checkpoint + its preset)."
     def __init__(self, model: nn.Module | None = None, tokenizer=None, *, checkpoint: str | None = None,
                  preset: str = "tiny", batch_size: int | str = 8, max_length: int | None = None,
-                 device: str | None = None, max_batch_size: int | None = None):  # max_batch_size: lm-eval CLI, unused
+                 device: str | None = None, max_batch_size: int | None = None):
         super().__init__()
         p = load_preset(preset)   # lm-eval's entry point: `--model_args checkpoint=…,preset=…` names it
         self.model = model = _model_to_evaluate(model, checkpoint, p, device)
         self.tokenizer = tokenizer or load_tokenizer(p.section("tokenizer", TokenizerConfig))
-        self.batch_size = 8 if batch_size == "auto" else int(batch_size)
+        self.batch_size = parse_batch_size(batch_size)
+        self.max_batch_size = max_batch_size or 64  # where `auto` starts its search (lm-eval's hf default)
         self.max_length = int(max_length or getattr(model.config, "max_seq_len", None) or 2048)
         self.prefix_id, self.eod_id = self.tokenizer.bos_id, self.tokenizer.eos_id
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = [encode_pair(self.tokenizer, *r.args, self.prefix_id) for r in requests]
-        return score_tokens(self.model, pairs, self.max_length, self.batch_size)
+        pairs = [encode_pair(self.tokenizer, *args, self.prefix_id) for args in _request_args(requests)]
+        longest = max((min(len(c) + len(x) - 1, self.max_length) for c, x in pairs), default=1)  # tokens of a row
+        return score_tokens(self.model, pairs, self.max_length, self._batch_size(longest))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        pairs, owner = _rolling_pairs(self.tokenizer, [r.args[0] for r in requests], self.prefix_id, self.max_length)
+        texts = [text for text, in _request_args(requests)]
+        pairs, owner = _rolling_pairs(self.tokenizer, texts, self.prefix_id, self.max_length)
+        scores = score_tokens(self.model, pairs, self.max_length, self._batch_size(self.max_length))  # as lm-eval's hf
         totals = [0.0] * len(requests)
-        for i, (lp, _) in zip(owner, score_tokens(self.model, pairs, self.max_length, self.batch_size)):
+        for i, (lp, _) in zip(owner, scores):
             totals[i] += lp
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        return generate_texts(self.model, self.tokenizer, [r.args for r in requests], self.max_length, self.batch_size)
+        args = _request_args(requests)
+        return generate_texts(self.model, self.tokenizer, args, self.max_length, self._batch_size(self.max_length))
+
+    def _batch_size(self, length: int) -> int:
+        "The fixed batch size, or lm-eval's `auto` searched for at rows of `length` tokens."
+        return self.batch_size if self.batch_size != "auto" else detect_batch_size(self.model, length, self.max_batch_size)
 
 # %% ../../../nbs/13_evaluation.ipynb #8ae6b044
 def udhr_versions(language: str) -> list[str]:
@@ -336,6 +387,8 @@ def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None =
     from lm_eval.tasks import TaskManager
     local = all(t.startswith("openpretrain") for t in tasks)  # lm-eval's 10k+ hub task YAMLs are indexed only if needed
     manager = TaskManager(include_path=str(task_dir), include_defaults=not local)
+    if unknown := sorted(set(tasks) - set(manager.all_tasks)):
+        raise ConfigError(f"tasks {', '.join(unknown)}: no lm-eval task, group or tag of that name")
     res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                           bootstrap_iters=0, log_samples=False)
     rows = [{"task": task, "metric": key.split(",")[0], "value": value}
@@ -343,21 +396,66 @@ def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None =
             if "," in key and "stderr" not in key and isinstance(value, (int, float))]
     return pd.DataFrame(rows).sort_values(["task", "metric"], ignore_index=True)
 
+# %% ../../../nbs/13_evaluation.ipynb #21d8ee86
+def checkpoint_folder(path: str | Path) -> Path:
+    "`path`, if it can be one trainer checkpoint (…/checkpoints/step-N); else ConfigError saying what it is instead."
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {path}: {'a file' if path.exists() else 'no such folder'}, "
+                          "not a checkpoint folder (…/checkpoints/step-NNNNNNNN)")
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if root != path or checkpoints(root):  # a run folder, or its checkpoints/ folder
+        with contextlib.redirect_stderr(io.StringIO()):  # its notes on refused checkpoints: the error stays one line
+            newest = latest_valid_checkpoint(root)
+        found = f"its newest valid checkpoint is {newest}" if newest else "it holds no valid checkpoint"
+        raise ConfigError(f"--checkpoint {path} is a {'run' if root != path else 'checkpoints'} folder, not a "
+                          f"checkpoint: {found}")
+    return path
+
+def _load(p: Preset, checkpoint: Path) -> nn.Module:
+    "The model of preset `p` holding `checkpoint`'s weights; ConfigError if they fail the manifest or are another model's."
+    try:
+        return load_model(model_config(p), checkpoint)
+    except CheckpointError as e:
+        raise ConfigError(f"--checkpoint {e}") from None
+    except RuntimeError as e:  # load_state_dict(strict=True): missing, unexpected or differently shaped weights
+        why = textwrap.shorten(str(e).splitlines()[-1], 90)
+        raise ConfigError(f"--checkpoint {checkpoint} does not hold a {p.name} model ({why}): pass the --preset it "
+                          "was trained with") from None
+
 # %% ../../../nbs/13_evaluation.ipynb #10e60f01
+class _Parser(argparse.ArgumentParser):
+    "argparse whose errors are ConfigErrors (one line through `main`), not a usage block and exit."
+    def error(self, message: str):
+        raise ConfigError(message)
+
 def main(argv: list[str] | None = None) -> int:
-    "openpretrain eval: run lm-eval tasks on a trainer checkpoint; prints and optionally writes the results table."
-    ap = argparse.ArgumentParser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint")
+    "openpretrain eval: run lm-eval tasks on a trainer checkpoint; any error is one line on stderr and exit status 2."
+    try:
+        return _eval(argv)
+    except ConfigError as e:
+        print(f"openpretrain eval: {e}", file=sys.stderr)
+        return 2
+
+def _eval(argv: list[str] | None) -> int:
+    "Evaluate the checkpoint `argv` names; prints and optionally writes the results table."
+    ap = _Parser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint")
     ap.add_argument("--checkpoint", required=True, help="a trainer checkpoint folder (…/checkpoints/step-N)")
     ap.add_argument("--preset", default="tiny", help="the preset the checkpoint was trained with")
     ap.add_argument("--tasks", nargs="+", help="task or tag names; default: the preset's evaluation.tasks")
     ap.add_argument("--limit", type=int, help="examples per task")
     ap.add_argument("--out", help="write the results as CSV here")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto")
     args = ap.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ConfigError(f"--out {args.out}: its folder does not exist")
     p = load_preset(args.preset)
     cfg = p.section("evaluation", EvaluationConfig)
-    lm = OpenPretrainLM(load_model(model_config(p), args.checkpoint), load_tokenizer(p.section("tokenizer", TokenizerConfig)),
-                        batch_size=cfg.batch_size, max_length=cfg.max_length, device=args.device)
+    model = _load(p, checkpoint_folder(args.checkpoint))
+    lm = OpenPretrainLM(model, load_tokenizer(p.section("tokenizer", TokenizerConfig)), batch_size=cfg.batch_size,
+                        max_length=cfg.max_length, device=resolve_device(args.device))
     bpb, items, _ = heldout_tasks(cfg, trained_texts([p], cfg.heldout_ngram))  # held out from its curriculum
     table = evaluate(lm, args.tasks or cfg.tasks, write_tasks(bpb, items), args.limit)
     print(table.to_string(index=False))

@@ -43,7 +43,10 @@ class MemorizationConfig:
     memorised: float = 0.7           # ROUGE-L from which a probe counts as memorised (Apertus: ≥ 0.7)
 
     def __post_init__(self):
-        if not self.repetitions or min(self.repetitions) < 1 or self.probes_per_count < 1:
+        for key in ("repetitions", "prefix_lengths", "offsets"):
+            if not getattr(self, key):
+                raise ConfigError(f"memorization.{key}: empty; probing needs at least one value")
+        if min(self.repetitions) < 1 or self.probes_per_count < 1:
             raise ConfigError("memorization: repetitions must be ≥ 1 and probes_per_count ≥ 1")
         if min(self.prefix_lengths + [self.suffix_length, self.offset_prefix]) < 1 or min(self.offsets) < 0:
             raise ConfigError("memorization: prefix and suffix lengths must be ≥ 1, offsets ≥ 0")
@@ -124,6 +127,9 @@ def assign_repetitions(probe_ids, repetitions: list[int], per_count: int, seed: 
 
 def probe_row(ids, bod: int, eod: int, seq_len: int) -> np.ndarray:
     "One injected copy as one training row (seq_len,): BoD, the passage cut to fit, EoD, EoD padding."
+    if seq_len < 3:
+        raise ConfigError(f"memorization: data.seq_len {seq_len} cannot hold a probe copy, which needs BoD, at least one "
+                          "passage token and EoD (seq_len ≥ 3)")
     body = list(ids)[: seq_len - 2]
     return np.array([bod, *body, eod] + [eod] * (seq_len - 2 - len(body)), dtype=np.int64)
 
@@ -183,6 +189,11 @@ def probe_sightings(loader: TokenLoader, copies: dict[bytes, str]) -> pd.DataFra
 # %% ../../../nbs/12_memorization.ipynb #afda15ac
 def probe_prompts(passages: list[list[int]], offset: int, prefix: int, suffix: int, bod: int) -> tuple[Tensor, list]:
     "Prompts (N, prefix [+ 1]) from each passage at `offset` (BoD first at offset 0), and the true suffixes."
+    need = offset + prefix + suffix
+    for i, p in enumerate(passages):
+        if len(p) < need:
+            raise ConfigError(f"memorization: passage {i} has {len(p)} tokens, but a prompt at offset {offset} (offsets) "
+                              f"of prefix {prefix} (prefix_lengths, offset_prefix) and suffix_length {suffix} needs {need}")
     head = [bod] if offset == 0 else []
     prompts = torch.tensor([head + list(p[offset:offset + prefix]) for p in passages])
     return prompts, [list(p[offset + prefix:offset + prefix + suffix]) for p in passages]
@@ -200,9 +211,9 @@ def probe_model(model: nn.Module, passages: list[list[int]], cfg: MemorizationCo
                 seed: int = 0) -> pd.DataFrame:
     "Scores of `model` on every passage at each prefix length (offset 0) and each offset, greedy and nucleus."
     points = sorted({(0, p) for p in cfg.prefix_lengths} | {(o, cfg.offset_prefix) for o in cfg.offsets})
+    batches = {pt: probe_prompts(passages, *pt, cfg.suffix_length, bod) for pt in points}  # every point checked first
     frames = []
-    for offset, prefix in points:
-        prompts, refs = probe_prompts(passages, offset, prefix, cfg.suffix_length, bod)
+    for (offset, prefix), (prompts, refs) in batches.items():
         for decoding in DECODINGS:
             t, p = (0.0, 1.0) if decoding == "greedy" else (cfg.temperature, cfg.top_p)
             out = generate(model, prompts, cfg.suffix_length, temperature=t, top_p=p, seed=seed)[:, prompts.shape[1]:]

@@ -12,6 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
+import psutil
 import torch
 from torch import Tensor, nn
 
@@ -21,8 +22,8 @@ from ..models.hybrid import mamba_state_bytes
 from ..models.registry import ModelConfig, build_model, context_limit
 
 # %% auto #0
-__all__ = ['ServingConfig', 'cache_footprint', 'cache_bytes_at', 'cache_table', 'decode_tps', 'time_generate', 'serving_sweep',
-           'run_serving', 'tps_ratio']
+__all__ = ['ServingConfig', 'cache_footprint', 'cache_bytes_at', 'cache_table', 'decode_tps', 'sweep_bytes', 'free_memory',
+           'check_sweep', 'time_generate', 'serving_sweep', 'run_serving', 'tps_ratio']
 
 # %% ../../../nbs/14_serving.ipynb #ecf542a1
 @dataclass(kw_only=True)
@@ -77,6 +78,27 @@ def decode_tps(batch: int, o_short: int, o_long: int, t_short: float, t_long: fl
         raise ValueError(f"t(O_long) = {t_long:.4g} s must exceed t(O_short) = {t_short:.4g} s ≥ 0")
     return batch * (o_long - o_short) / (n_gpu * (t_long - t_short))
 
+# %% ../../../nbs/14_serving.ipynb #8360f94e
+def sweep_bytes(config, context: int, batch: int, o_long: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    "A lower bound on one sweep point's memory: prompt ids (B, ctx), caches at ctx + O_long, prefill logits (B, ctx, V)."
+    logits = torch.empty((), dtype=dtype).element_size() * config.vocab_size * context
+    return batch * (8 * context + cache_bytes_at(config, context + o_long, dtype) + logits)
+
+def free_memory(device: str | torch.device) -> int:
+    "Bytes `device` can still allocate: the GPU's free memory, else the host's available memory."
+    device = torch.device(device)
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+
+def check_sweep(config, contexts: list[int], batch: int, o_long: int, dtype: torch.dtype, device) -> None:
+    "ConfigError naming serving.contexts if the longest exceeds the model's limit or its bytes (a lower bound) free memory."
+    longest, limit = max(contexts), context_limit(config)
+    if limit is not None and longest + o_long > limit:
+        raise ConfigError(f"serving.contexts: {longest} tokens + o_long {o_long} exceed the model's context limit {limit}")
+    need, free = sweep_bytes(config, longest, batch, o_long, dtype), free_memory(device)
+    if need > free:
+        raise ConfigError(f"serving.contexts: {longest} tokens at batch {batch} need at least {need / 2**30:,.1f} GiB "
+                          f"(prompt, caches, prefill logits), {free / 2**30:,.1f} GiB free on {device}")
+
 # %% ../../../nbs/14_serving.ipynb #89e249cd
 def time_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> float:
     "t(O): seconds to prefill `prompt` (B, T) and produce `new_tokens` greedy tokens per row with the model's cache."
@@ -90,7 +112,9 @@ def time_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> float:
 def serving_sweep(model: nn.Module, contexts: list[int], batch: int, o_long: int, o_short: int = 1,
                   reps: int = 1, seed: int = 0) -> list[dict]:
     "Per context length: t(O_short), t(O_long) (medians of `reps`) and Eq. 1's aggregate decode tokens/s."
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
+    check_sweep(model.config, contexts, batch, o_long, param.dtype, device)
     gen = torch.Generator().manual_seed(seed)
     time_generate(model, torch.zeros(batch, 8, dtype=torch.long, device=device), 2)  # warm-up: allocator, kernels
     rows = []
@@ -110,16 +134,22 @@ def serving_sweep(model: nn.Module, contexts: list[int], batch: int, o_long: int
 def run_serving(cfg: ServingConfig, models: dict[str, ModelConfig], device: str = "cpu", seed: int = 0):
     "The Eq. 1 sweep of every name → model config → a DataFrame (preset, arch, context, t_short_s, t_long_s, decode_tps)."
     import pandas as pd
+    dtype = getattr(torch, cfg.dtype)
+    models = {name: _as_swept(config, cfg) for name, config in models.items()}
+    for config in models.values():  # every model checked before any is built
+        check_sweep(config, cfg.contexts, cfg.batch, cfg.o_long, dtype, device)
     frames = []
     for name, config in models.items():
         torch.manual_seed(seed)
-        if context_limit(config) is not None:  # the sweep's contexts may exceed the training context (RoPE extends)
-            config = replace(config, max_seq_len=max(cfg.contexts) + cfg.o_long)
-        model = build_model(config, device=device, dtype=getattr(torch, cfg.dtype)).eval()
+        model = build_model(config, device=device, dtype=dtype).eval()
         rows = serving_sweep(model, cfg.contexts, cfg.batch, cfg.o_long, cfg.o_short, cfg.reps, seed)
         frames.append(pd.DataFrame(rows).assign(preset=name, arch=model.config.arch))
         del model
     return pd.concat(frames, ignore_index=True)
+
+def _as_swept(config: ModelConfig, cfg: ServingConfig) -> ModelConfig:
+    "`config` with its positional limit raised to the longest context + O_long (RoPE extends past the training context)."
+    return config if context_limit(config) is None else replace(config, max_seq_len=max(cfg.contexts) + cfg.o_long)
 
 def tps_ratio(timings) -> dict[str, float]:
     "Per preset: decode TPS at the longest context / at the shortest (Soofi S: 4.30k / 4.29k from 4K to 256K)."
