@@ -82,10 +82,17 @@ def test_local_tasks_run_offline_and_bits_per_byte_is_the_rolling_loss(tok, tmp_
     assert 0 <= table["openpretrain_continuation", "acc"] <= 1
 
 
-def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, capsys):
+def _checkpoint(root, step: int, model):
+    "A weights-only checkpoint of `model`, with the run state a trainer checkpoint records (its format, its model)."
+    from openpretrain.core import to_dict
     from openpretrain.training.checkpoint import write_checkpoint
+    return write_checkpoint(root, step, {"model.safetensors": model.state_dict(), "state.json": {
+        "step": step, "format": "full", "fingerprint": {"model": to_dict(model.config)}}})
+
+
+def test_cli_scores_a_trainer_checkpoint_like_the_model_it_holds(tok, tmp_path, capsys):
     model = _model("tiny-hybrid")
-    ckpt = write_checkpoint(tmp_path / "checkpoints", 1, {"model.safetensors": model.state_dict()})
+    ckpt = _checkpoint(tmp_path / "checkpoints", 1, model)
     out = tmp_path / "results.csv"
     assert main(["--checkpoint", str(ckpt), "--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh",
                  "--limit", "1", "--out", str(out)]) == 0
@@ -241,10 +248,9 @@ def _cli_error(capsys, *argv) -> str:
 
 
 def test_cli_says_in_one_line_what_a_bad_checkpoint_path_is(tmp_path, capsys):
-    from openpretrain.training.checkpoint import write_checkpoint
     run = tmp_path / "run"
-    good = write_checkpoint(run / "checkpoints", 1, {"model.safetensors": _model("tiny-hybrid").state_dict()})
-    broken = write_checkpoint(run / "checkpoints", 2, {"model.safetensors": _model("tiny-hybrid").state_dict()})
+    good = _checkpoint(run / "checkpoints", 1, _model("tiny-hybrid"))
+    broken = _checkpoint(run / "checkpoints", 2, _model("tiny-hybrid"))
     (broken / "model.safetensors").write_bytes(b"truncated")   # the newest: refused, so step 1 is named
     (run / "metrics.jsonl").write_text("")
     args = ("--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh", "--limit", "1")
@@ -254,7 +260,7 @@ def test_cli_says_in_one_line_what_a_bad_checkpoint_path_is(tmp_path, capsys):
     assert f"its newest valid checkpoint is {good}" in _cli_error(capsys, "--checkpoint", str(run / "checkpoints"), *args)
     assert "a file" in _cli_error(capsys, "--checkpoint", str(good / "model.safetensors"), *args)
     assert "does not match its sha256" in _cli_error(capsys, "--checkpoint", str(broken), *args)
-    assert "--preset it was trained with" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "tiny")
+    assert "the preset it was trained with" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "tiny")
     assert "no preset 'nope'" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "nope")
     assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "0")
     assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "one")

@@ -131,16 +131,16 @@ def _state(path: Path) -> dict:
     return state
 
 def _same_run(path: Path, recorded: dict, expected: dict) -> None:
-    expected = json.loads(json.dumps(expected))                     # as JSON holds it: tuples are lists
-    for key in sorted(recorded.keys() | expected.keys()):
-        if recorded.get(key) != expected.get(key):
-            raise CheckpointError(f"{path} was written by another run: its {key} is {_short(recorded.get(key))}, "
-                                  f"this run's is {_short(expected.get(key))}")
+    if difference := _first_difference(recorded, json.loads(json.dumps(expected))):   # as JSON holds it
+        raise CheckpointError(f"{path} was written by another run: its {difference}")
 
-def _short(value) -> str:
-    if isinstance(value, dict):                                     # a model config: name only what differs
-        return "{" + ", ".join(f"{k}: {v!r}" for k, v in list(value.items())[:6]) + (", …}" if len(value) > 6 else "}")
-    return repr(value)
+def _first_difference(recorded, expected, where: str = "") -> str | None:
+    "The first knob (dotted) in which two fingerprints differ, as 'model.d_model is 64, not 32', or None."
+    if isinstance(recorded, dict) and isinstance(expected, dict):
+        keys = sorted(recorded.keys() | expected.keys())
+        return next((d for k in keys if (d := _first_difference(recorded.get(k), expected.get(k),
+                                                                   f"{where}.{k}" if where else k))), None)
+    return None if recorded == expected else f"{where} is {recorded!r}, not {expected!r}"
 
 # %% ../../../nbs/10a_checkpoint.ipynb #481de798
 STEP = re.compile(r"step-(\d{8})")             # a finished checkpoint's folder name
@@ -323,8 +323,9 @@ def check_tensors(path: Path, fmt: str, model: nn.Module) -> None:
 
 def _tensor_headers(path: Path, fmt: str) -> tuple[dict, dict]:
     "(weights, optimizer tensors) as name → (shape, dtype), from safetensors headers or DCP's index."
-    if fmt == "full":
-        return _safetensors_header(path / "model.safetensors"), _safetensors_header(path / "optimizer.safetensors")
+    if fmt == "full":                                               # an exported model may hold no optimizer state
+        optim = path / "optimizer.safetensors"
+        return _safetensors_header(path / "model.safetensors"), _safetensors_header(optim) if optim.is_file() else {}
     meta = SafeReader(path / "dcp").read_metadata().state_dict_metadata
     entries = {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()}
     return ({k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")},
@@ -383,7 +384,9 @@ def load_model(config, checkpoint: str | os.PathLike) -> nn.Module:
     "The model of `config` (a registry model config; fp32, CPU) holding a verified checkpoint's weights, full or sharded."
     path = Path(checkpoint)
     state = verify_checkpoint(path)
-    _same_run(path, {"model": state["fingerprint"].get("model")}, {"model": to_dict(config)})
+    if difference := _first_difference({"model": state["fingerprint"].get("model")},
+                                       json.loads(json.dumps({"model": to_dict(config)}))):
+        raise CheckpointError(f"{path} holds another model: its {difference}; load it with the preset it was trained with")
     model = build_model(config, device="cpu")
     check_tensors(path, state["format"], model)
     model.load_state_dict(consolidated_weights(model, path, state["format"]), strict=True)
