@@ -360,3 +360,22 @@ def test_a_key_written_twice_is_an_error_not_last_one_wins(tmp_path):
     (tmp_path / "x.yaml").write_text("preset: x\noptim:\n  lr: 1.0e-3\n  lr: 1.0\n")
     with pytest.raises(ConfigError, match=r"x.yaml:4: invalid YAML: key 'lr' appears twice"):
         load_preset(tmp_path / "x.yaml")
+
+
+# --- the report runner never writes its inputs (issue 17, cause 3) ------------------------------------------
+
+@pytest.mark.parametrize("folder", ["data", "nbs", "configs", "lib", "data/corpus/../x"])
+def test_the_report_refuses_outputs_inside_the_checkouts_inputs_and_writes_nothing(tmp_path, capsys, folder):
+    from openpretrain.__main__ import main
+    before = {p: p.stat().st_mtime_ns for p in (project_root() / folder.split("/")[0]).rglob("*")}
+    assert main(["report", "--outputs", str(project_root() / folder), "--only", "00_core"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"inside {folder.split('/')[0]}/" in err
+    assert {p: p.stat().st_mtime_ns for p in (project_root() / folder.split("/")[0]).rglob("*")} == before
+
+
+@pytest.mark.parametrize("text", ["preset = tiny\nseed = 0\n", "[report]\nseed = 0\nseed = 1\n"])
+def test_a_settings_file_that_is_not_one_fails_in_one_line(tmp_path, text):
+    (tmp_path / "settings.ini").write_text(text)
+    with pytest.raises(ConfigError, match=r"settings.ini: not a settings file \((File contains no section headers|While reading)"):
+        read_settings(tmp_path / "settings.ini")

@@ -24,9 +24,9 @@ from unittest import mock
 from .core import ConfigError, list_presets, project_root, sha256_file
 
 # %% auto #0
-__all__ = ['SETTING_KEYS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'UPSTREAM', 'discover_chapters', 'ReportSettings', 'read_settings',
-           'check_settings', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'git_state',
-           'collect_artifacts', 'write_index', 'compare_manifests', 'reuse_upstream', 'check_report']
+__all__ = ['SETTING_KEYS', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'UPSTREAM', 'discover_chapters', 'ReportSettings',
+           'read_settings', 'check_settings', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report',
+           'git_state', 'collect_artifacts', 'write_index', 'compare_manifests', 'reuse_upstream', 'check_report']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -59,8 +59,11 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
     "Read `[report]` from settings.ini (the project's by default); chapters come from `discover_chapters`."
     path = Path(path) if path else project_root() / "settings.ini"
     cp = configparser.ConfigParser()
-    if not cp.read(path):
-        raise ConfigError(f"cannot read report settings from {path}")
+    try:
+        if not cp.read(path):
+            raise ConfigError(f"cannot read report settings from {path}")
+    except configparser.Error as e:                     # no section header, a duplicate key, a line it cannot parse
+        raise ConfigError(f"{path}: not a settings file ({str(e).splitlines()[0]})") from None
     if "report" not in cp:
         raise ConfigError(f"{path}: no [report] section")
     sec = cp["report"]
@@ -88,7 +91,12 @@ def check_settings(s: ReportSettings) -> ReportSettings:
     nbs = project_root() / "nbs"
     if missing := [c for c in s.chapters if not (nbs / f"{c}.ipynb").is_file()]:
         raise ConfigError(f"chapters not found under {nbs}: {', '.join(missing)}")
+    out = s.out_dir.resolve()
+    if inside := next((d for d in SOURCE_FOLDERS if out.is_relative_to((project_root() / d).resolve())), None):
+        raise ConfigError(f"outputs {s.outputs!r} puts the report inside {inside}/, which a report never writes")
     return s
+
+SOURCE_FOLDERS = ("data", "nbs", "configs", "lib")  # the checkout's inputs and sources: never an output folder
 
 # %% ../../nbs/90_report.ipynb #83d44894
 ARTIFACT_KINDS = ("notebooks", "figures", "tables", "data")  # what a chapter writes under outputs/<preset>/
