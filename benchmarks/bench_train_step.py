@@ -24,7 +24,8 @@ from openpretrain.models.registry import build_model
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.optim import build_optimizer
 from openpretrain.training.plan import plan, token_loader
-from openpretrain.training.trainer import PRETRAINING, Run, keep_freed_memory, train_step
+from openpretrain.training.parallel import keep_freed_memory
+from openpretrain.training.trainer import PRETRAINING, Run, train_step
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 ARM = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=336)   # chapter 11a's SIZE

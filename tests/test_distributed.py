@@ -87,7 +87,8 @@ from openpretrain.models.registry import build_model
 from openpretrain.training.checkpoint import checkpoints, restore_state
 from openpretrain.training.optim import build_optimizer
 from openpretrain.training.plan import plan
-from openpretrain.training.trainer import parallelize, train_preset
+from openpretrain.training.parallel import parallelize
+from openpretrain.training.trainer import train_preset
 a = json.loads(sys.argv[1])
 train_preset(a["preset"], a["out"], a["max_steps"], resume=True, loader_factory=SyntheticLoader)
 acc = Accelerator(cpu=True)                  # the process group train() started

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import functools
 import json
 import math
 import os
@@ -22,16 +20,14 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 # %% auto #0
-__all__ = ['PRETRAINING', 'STEP_KEYS', 'measure_peak_flops', 'sync', 'keep_freed_memory', 'parallelize', 'gradient_sync',
-           'device_of', 'all_sum', 'unwrap', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError',
-           'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants',
-           'step_batches', 'train_loop', 'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh',
-           'start_run', 'build_run', 'resume_run', 'train', 'train_preset', 'main']
+__all__ = ['PRETRAINING', 'STEP_KEYS', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError', 'train_step', 'kept_rows',
+           'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants', 'step_batches', 'train_loop',
+           'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh', 'start_run', 'build_run',
+           'resume_run', 'train', 'train_preset', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
@@ -41,72 +37,9 @@ from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, 
                                               latest_valid_checkpoint, prune_checkpoints, restore_state, save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
-from .plan import Plan, TrainConfig, fingerprint, plan, token_loader
-
-# %% ../../../nbs/11_train.ipynb #9f05446e
-@functools.cache   # once per process: a worker that trains many short runs measures once
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 5) -> float:
-    "Best FLOP/s of an n×n matmul on `device` in `dtype` (the MFU denominator, measured, not a datasheet)."
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(reps + 1):   # the first is a warm-up
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-# %% ../../../nbs/11_train.ipynb #966e60ee
-def keep_freed_memory() -> bool:
-    "glibc: allocate every block from the heap and never give freed memory back, so big per-step tensors reuse pages."
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:                    # not glibc (macOS, musl): nothing to tune
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt parameters from glibc's malloc.h
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-# %% ../../../nbs/11_train.ipynb #1015bb16
-def parallelize(model: nn.Module, train: TrainConfig, accelerator) -> nn.Module:
-    "Several processes: DDP through accelerate, or FSDP2 — `fully_shard` on every block, then on the root."
-    if accelerator.num_processes == 1:
-        return model
-    if train.parallel == "ddp":
-        return accelerator.prepare_model(model)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device_of(accelerator).type, (accelerator.num_processes,))
-    bf16 = accelerator.mixed_precision == "bf16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
-
-# %% ../../../nbs/11_train.ipynb #f75b2ee5
-def gradient_sync(model: nn.Module, accelerator, on: bool):
-    "Context for one micro-batch: gradients are reduced across processes only on the step's last one."
-    if hasattr(model, "set_requires_gradient_sync"):    # FSDP2
-        model.set_requires_gradient_sync(on)
-        return contextlib.nullcontext()
-    return contextlib.nullcontext() if on else accelerator.no_sync(model)
-
-def device_of(accelerator) -> torch.device:
-    "The accelerator's device, with accelerate's `cpu:0` under torchrun spelled `cpu` (what the model builders accept)."
-    return torch.device("cpu") if accelerator.device.type == "cpu" else accelerator.device
-
-def all_sum(x: Tensor) -> Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-def unwrap(model: nn.Module) -> nn.Module:
-    "The model inside a DDP wrapper (the model itself otherwise)."
-    return model.module if hasattr(model, "module") else model
+from .parallel import (all_sum, device_of, gradient_sync, keep_freed_memory, measure_peak_flops,
+                                            parallelize, sync, unwrap)
+from .plan import Plan, fingerprint, plan, token_loader
 
 # %% ../../../nbs/11_train.ipynb #03ca8e3b
 class Objective(Protocol):
