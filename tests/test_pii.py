@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from datatrove.data import Document
 from datatrove.pipeline.formatters.pii import PIIFormatter
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from openpretrain.compliance.pii import (APERTUS_PATTERNS, IBAN_LENGTHS, MARKERS, PIIAnonymizer, PIIConfig,
@@ -396,3 +396,24 @@ def test_a_mid_line_section_number_that_is_a_public_address_is_replaced_by_decis
 def test_the_linear_email_walk_equals_the_reference_patterns_findall(text):
     from openpretrain.compliance.pii import _apertus_emails
     assert _apertus_emails(text) == re.compile(APERTUS_PATTERNS["email"]).findall(text)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(["DE", "ch", "X", "89", "3", "0", " ", "1234", "WEST", "a", "."]), max_size=24)
+       .map("".join))
+@example("DE89" + "0" * 28 + "AB" + "12" + "3" * 11)  # a body cut at 30 characters, its last letters before digits
+def test_the_check_digit_scan_finds_what_the_plain_iban_pattern_finds(text):
+    from openpretrain.compliance.pii import _IBAN_CANDIDATE, _iban_candidates
+    assert list(_iban_candidates(text)) == [(m.start(), m.group()) for m in _IBAN_CANDIDATE.finditer(text)]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(alphabet="a@.1 \u00a0\u202f\uff20\uff0e\uff11\u00ad\u200b\u200c\u200d\u2060\ufeff", max_size=30))
+def test_the_folded_view_and_its_map_equal_a_character_by_character_fold(text):
+    from openpretrain.compliance.pii import _folded, _original
+    invisible, fold = "\u00ad\u200b\u200c\u200d\u2060\ufeff", {"\u00a0": " ", "\u202f": " "}
+    kept = [(i, fold.get(c, chr(ord(c) - 0xFEE0) if "\uff01" <= c <= "\uff5e" else c))  # the reference: per char
+            for i, c in enumerate(text) if c not in invisible]
+    view, dropped = _folded(text)
+    assert view == "".join(c for _, c in kept)
+    assert [_original(dropped, j) for j in range(len(view))] == [i for i, _ in kept]
