@@ -52,27 +52,29 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tenso
     r, Q = h // g, chunk_size
     f = torch.promote_types(x.dtype, torch.float32)                            # fp32 inside, fp64 stays fp64
     pad, c = -L % Q, -(-L // Q)
-    chunks = lambda t: F.pad(t.to(f), (0, 0) * (t.dim() - 2) + (0, pad)).unflatten(1, (c, Q))  # (b,c,Q,...)
-    cum = chunks(dt * A).transpose(2, 3).cumsum(-1)                             # Σ Δ·A from the chunk start, (b,c,h,Q)
-    docs = (chunks(reset) if reset is not None else x.new_zeros(b, c, Q, dtype=f)).cumsum(-1)[:, :, None]  # (b,c,1,Q)
+    padded = lambda t: F.pad(t.to(f), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.to(f)   # (b,c·Q,...)
+    chunks = lambda t: padded(t).unflatten(1, (c, Q)).transpose(2, 3)           # (b,c,·,Q,...)
+    cum = chunks(dt * A).cumsum(-1).unflatten(2, (g, r))                       # Σ Δ·A from the chunk start, (b,c,g,r,Q)
+    no_reset = x.new_zeros(b, c, 1, Q, dtype=f)
+    docs = (no_reset if reset is None else chunks(reset[..., None])).cumsum(-1)[:, :, None]  # resets so far, (b,c,1,1,Q)
     decay = lambda log, keep: torch.exp(log.masked_fill(~keep, -torch.inf))   # 0 where a reset lies in between
-    xdt = chunks(x * dt[..., None]).unflatten(3, (g, r)).permute(0, 1, 3, 4, 2, 5)  # Δ·x, (b,c,g,r,Q,p)
-    B, C = chunks(B).transpose(2, 3), chunks(C).transpose(2, 3)                 # (b,c,g,Q,n)
-    # 1. inside each chunk: causal scores C_l·B_s weighted by the decay from s to l
-    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    within = decay(cum[..., :, None] - cum[..., None, :], causal & (docs[..., :, None] == docs[..., None, :]))
-    y = ((C @ B.transpose(-1, -2))[:, :, :, None] * within.unflatten(2, (g, r))) @ xdt   # (b,c,g,r,Q,p)
-    # 2. the state each chunk leaves behind from its own inputs, decayed to the chunk's end
-    to_end = decay(cum[..., -1:] - cum, docs == docs[..., -1:]).unflatten(2, (g, r))      # (b,c,g,r,Q)
-    states = xdt.transpose(-1, -2) @ (B[:, :, :, None] * to_end[..., None])               # (b,c,g,r,p,n)
+    xdt = chunks((x * dt[..., None]).flatten(2).unflatten(2, (g, r * p)))      # Δ·x, a group's heads side by side, (b,c,g,Q,r·p)
+    B, C = chunks(B), chunks(C)                                                # (b,c,g,Q,n)
+    # 1. inside each chunk: causal scores C_l·B_s weighted by each head's decay from s to l
+    keep = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril() & (docs[..., :, None] == docs[..., None, :])
+    within = (cum[..., :, None] - cum[..., None, :]).masked_fill_(~keep, -torch.inf).exp_()   # in place, (b,c,g,r,Q,Q)
+    y = ((C @ B.transpose(-1, -2))[:, :, :, None] * within) @ xdt.unflatten(-1, (r, p)).transpose(3, 4)  # (b,c,g,r,Q,p)
+    # 2. the state each chunk leaves behind from its own inputs, decayed to the chunk's end: one product per group
+    to_end = decay(cum[..., -1:] - cum, docs == docs[..., -1:]).transpose(-1, -2)[..., None]   # (b,c,g,Q,r,1)
+    states = ((xdt.unflatten(-1, (r, p)) * to_end).flatten(-2).transpose(-1, -2) @ B).unflatten(3, (r, p))  # (b,c,g,r,p,n)
     # 3. carry states across chunk boundaries: a scan over the c chunks
-    chunk_decay = decay(cum[..., -1], docs[..., -1] == 0).unflatten(2, (g, r))[..., None, None]  # (b,c,g,r,1,1)
+    chunk_decay = decay(cum[..., -1], docs[..., -1] == 0)[..., None, None]     # (b,c,g,r,1,1)
     starts, h_ = _carry_states(states, chunk_decay, state)                     # (b,c,g,r,p,n), (b,g,r,p,n)
     # 4. what each chunk's start state contributes at every position, decayed from the chunk's start
-    from_start = decay(cum, docs == 0).unflatten(2, (g, r))                     # (b,c,g,r,Q)
-    y = y + (C[:, :, :, None] @ starts.transpose(-1, -2)) * from_start[..., None]
-    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * Q, h, p)[:, :L]              # (b,L,h,p)
-    return y + D.to(f)[:, None] * x.to(f), h_.view(b, h, p, n)
+    from_start = decay(cum, docs == 0).transpose(-1, -2)[..., None]             # (b,c,g,Q,r,1)
+    y_start = (C @ starts.flatten(3, 4).transpose(-1, -2)).unflatten(-1, (r, p)) * from_start   # (b,c,g,Q,r,p)
+    y = (y.transpose(3, 4) + y_start).transpose(2, 3).reshape(b, c * Q, h, p)[:, :L]          # (b,L,h,p)
+    return torch.addcmul(y, D.to(f)[:, None], x.to(f)), h_.view(b, h, p, n)     # + the D skip
 
 # %% ../../../nbs/06a_mamba2.ipynb #58659d16
 def _carry_states(states: Tensor, chunk_decay: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
