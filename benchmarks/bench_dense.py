@@ -5,7 +5,9 @@ warm-up, alternating (the order turns every repetition). Sides: our model as the
 blocks not compiled; xIELU is the inductor-compiled formula when a C++ compiler is found, `CXX=none` forces the eager
 xIELU), transformers' eager model and, with --compile, our model with compiled blocks (`build(compile=True)`; its
 warm-up compiles). Also prints the FLOP/s each of our sides achieves against this
-machine's measured fp32 matmul peak, and the ratios of the best and of the median steps.
+machine's measured fp32 matmul peak, the ratios of the best and of the median steps, the share of each side's step
+spent in matrix products with the ratio we would reach if our other ops cost nothing, and what the rest of the machine
+did while the sides were timed (a median ratio is only comparable between runs on an equally quiet machine).
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_dense.py [--reps 5] [--d-model 512] [--compile]
 """
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
 from openpretrain.models.dense import DenseConfig, build, to_hf, train_flops_per_token
-from train_step import step_time
+from timing import MachineLoad, alternate, matmul_bound, step_time
 
 
 def matmul_flops(n: int = 2048) -> float:
@@ -47,14 +50,11 @@ def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, b
     with torch.no_grad():   # the same function on every side
         for fwd, _ in sides.values():
             assert (fwd(ids) - eager(ids)).abs().max() < 1e-3
-    times, peaks = {k: [] for k in sides}, []
-    for rep in range(reps + 1):  # rep 0 is the warm-up; the sides alternate, in turned order every repetition
-        for name in list(sides)[:: 1 if rep % 2 else -1]:
-            fwd, params = sides[name]
-            dt = step_time(fwd, list(params()), ids)
-            if rep:
-                times[name].append(dt)
-        peaks.append(matmul_flops())  # the peak is measured between steps: the machine is shared
+    steps = {name: partial(step_time, fwd, list(params()), ids) for name, (fwd, params) in sides.items()}
+    peaks = []   # the peak is measured between rounds: the machine is shared
+    with MachineLoad() as load:
+        times = alternate(steps, reps, between=lambda: peaks.append(matmul_flops()))
+    bound = matmul_bound(steps, times, "ours")
     ref_times = times.pop("transformers")
     peak, flops_per_token = statistics.median(peaks), train_flops_per_token(config, seq)
     print(f"config: d_model {d_model}, {n_layers} layers, {config.n_heads}/{config.n_kv_heads} heads, "
@@ -69,6 +69,8 @@ def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, b
         print(f"{name} {batch * seq / statistics.median(ts):.0f} tok/s | transformers "
               f"{batch * seq / statistics.median(ref_times):.0f} tok/s | "
               f"ratio {statistics.median(ref_times) / statistics.median(ts):.2f}x (median of {reps})")
+    print(bound)
+    print(load.report())
 
 
 if __name__ == "__main__":

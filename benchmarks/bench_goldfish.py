@@ -19,7 +19,7 @@ from openpretrain.models.registry import build_model
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.goldfish import STRATEGIES, GoldfishConfig, canonical_vocab, goldfish_mask
 from openpretrain.training.plan import plan, token_loader
-from train_step import step_time
+from timing import step_time
 
 
 def mask_time(labels: torch.Tensor, config: GoldfishConfig, strategy: str, vocab) -> float:

@@ -5,26 +5,25 @@ All sides hold the same weights (`to_hf`), see the same batch and the same loss,
 warm-up, alternating (the order turns every repetition; the compiled side's warm-up compiles); the ratios of the
 best and of the median steps are printed. Sides: our eager model, transformers' eager model and,
 with --compile, our model with compiled non-MoE blocks (`build(compile=True)`). The SSD comparison
-runs the scan of one Soofi-sized Mamba-2 layer (forward, eager, chunk 128) at L = 2048. On CPU, one profiled step of
+runs the scan of one Soofi-sized Mamba-2 layer (forward, chunk 128) at L = 2048: the recurrence, the chunked form
+eager, and the chunked form compiled by inductor (what a compiled block runs). On CPU, one profiled run of
 each side splits its time into matrix products (mm, bmm, addmm: the same products on both sides) and everything
-else, and prints the ratio our model would reach if everything else cost nothing: an upper bound on any speed-up
-of our element-wise, scan and dispatch code.
+else, and prints the ratio we would reach if everything else cost nothing: an upper bound on any speed-up
+of our element-wise, scan and dispatch code. Last, what the rest of the machine did while the sides were timed.
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_hybrid.py [--reps 3] [--compile] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from openpretrain.models.hybrid import HybridConfig, build, to_hf
-from train_step import step_time
 from openpretrain.models.mamba2 import ssd_chunked, ssd_recurrent
-
-
+from timing import MachineLoad, alternate, matmul_bound, matmul_share, step_time, timed
 
 
 def model_step(reps: int, batch: int, seq: int, device: str, compile: bool) -> dict[str, float]:
@@ -46,74 +45,48 @@ def model_step(reps: int, batch: int, seq: int, device: str, compile: bool) -> d
     with torch.no_grad():   # the same function on every side
         for fwd, _ in sides.values():
             assert (fwd(ids) - eager(ids)).abs().max() < 1e-3
-    times = {k: [] for k in sides}
-    for rep in range(reps + 1):  # rep 0 is the warm-up; the sides alternate, in turned order every repetition
-        for name in list(sides)[:: 1 if rep % 2 else -1]:
-            fwd, params = sides[name]
-            if device == "cuda":
-                torch.cuda.synchronize()
-            dt = step_time(fwd, list(params()), ids)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if rep:
-                times[name].append(dt)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    steps = {name: partial(step_time, fwd, list(params()), ids, sync) for name, (fwd, params) in sides.items()}
+    times = alternate(steps, reps)
     print(f"model: d_model {config.d_model}, pattern {config.pattern}, {config.n_experts} experts top-{config.top_k}, "
           f"batch {batch}x{seq}, fp32, {device}, {torch.get_num_threads()} threads")
     if device == "cpu":
-        print_matmul_bound({k: matmul_share(*sides[k], ids) for k in ("ours (eager)", "transformers")},
-                           {k: statistics.median(v) for k, v in times.items()})
+        print(matmul_bound(steps, times, "ours (eager)"))
     return {k: [batch * seq / t for t in v] for k, v in times.items()}   # tokens/s of every timed step
 
 
-MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
-
-
-def matmul_share(fwd, params, ids: torch.Tensor) -> float:
-    "Share of one profiled train step's CPU time spent in matrix products."
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step_time(fwd, list(params()), ids)
-    events = prof.key_averages()
-    return sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / sum(e.self_cpu_time_total for e in events)
-
-
-def print_matmul_bound(share: dict[str, float], step: dict[str, float]) -> None:
-    "Matmul shares, and transformers' step over our matmul time: our ratio if all our other ops were free."
-    ours, ref = "ours (eager)", "transformers"
-    print(f"matrix products: {100 * share[ours]:.0f}% of our step, {100 * share[ref]:.0f}% of transformers'; "
-          f"transformers' step / our matmul time = {step[ref] / (step[ours] * share[ours]):.2f}x "
-          "(the ratio if every other op of ours cost nothing)")
-
-
-def ssd_time(reps: int, L: int = 2048) -> tuple[float, float]:
-    "Median seconds of (chunked, recurrent) SSD for one Soofi Mamba-2 layer: 64 heads × 64, 8 groups, state 128."
+def ssd_times(reps: int, L: int = 2048) -> tuple[dict[str, list[float]], float]:
+    "Seconds of one Soofi Mamba-2 layer's scan (64 heads × 64, 8 groups, state 128) per side, and the chunked matmul share."
     gen = torch.Generator().manual_seed(0)
     h, p, g, n = 64, 64, 8, 128
-    x, B, C = torch.randn(1, L, h, p, generator=gen), torch.randn(1, L, g, n, generator=gen), torch.randn(1, L, g, n, generator=gen)
+    x, B, C = (torch.randn(1, L, *shape, generator=gen) for shape in ((h, p), (g, n), (g, n)))
     dt, A, D = F.softplus(torch.randn(1, L, h, generator=gen) - 3), -torch.rand(h, generator=gen), torch.ones(h)
-    times = {"chunked": [], "recurrent": []}
+    compiled = torch.compile(ssd_chunked, dynamic=False)
+    sides = {"chunked": lambda: ssd_chunked(x, dt, A, B, C, D, 128),
+             "chunked, compiled": lambda: compiled(x, dt, A, B, C, D, 128),
+             "recurrent": lambda: ssd_recurrent(x, dt, A, B, C, D)}
     with torch.no_grad():
-        for rep in range(reps + 1):
-            for name, fn in (("chunked", lambda: ssd_chunked(x, dt, A, B, C, D, 128)),
-                             ("recurrent", lambda: ssd_recurrent(x, dt, A, B, C, D))):
-                t = time.perf_counter()
-                fn()
-                if rep:
-                    times[name].append(time.perf_counter() - t)
-    return statistics.median(times["chunked"]), statistics.median(times["recurrent"])
+        return alternate({k: timed(fn) for k, fn in sides.items()}, reps), matmul_share(sides["chunked"])
 
 
 def main(reps: int = 3, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
-    tps = model_step(reps, batch, seq, device, compile)
-    chunked, recurrent = ssd_time(reps)
+    with MachineLoad() as load:
+        tps = model_step(reps, batch, seq, device, compile)
+        ssd, share = ssd_times(2 * reps + 1)
+    ssd = {k: statistics.median(v) for k, v in ssd.items()}
+    recurrent = ssd.pop("recurrent")
+    for name, seconds in ssd.items():
+        print(f"SSD at L=2048: {name} {seconds * 1e3:.1f} ms | recurrent {recurrent * 1e3:.1f} ms | "
+              f"ratio {recurrent / seconds:.1f}x (median of {2 * reps + 1})")
+    print(f"SSD bound: matrix products are {100 * share:.0f}% of the eager chunked scan; recurrent / their time = "
+          f"{recurrent / (ssd['chunked'] * share):.1f}x (the ratio if every other op cost nothing)")
     ref = tps.pop("transformers")
-    print(f"SSD at L=2048: chunked {chunked * 1e3:.1f} ms | recurrent {recurrent * 1e3:.1f} ms | "
-          f"ratio {recurrent / chunked:.1f}x (median of {reps})")
     for name, ours in tps.items():   # the best step is the one least disturbed by the machine's other load
         print(f"{name} {max(ours):.0f} tok/s | transformers {max(ref):.0f} tok/s | "
               f"ratio {max(ours) / max(ref):.2f}x (best of {reps})")
         print(f"{name} {statistics.median(ours):.0f} tok/s | transformers {statistics.median(ref):.0f} tok/s | "
               f"ratio {statistics.median(ours) / statistics.median(ref):.2f}x (median of {reps})")
+    print(load.report())
 
 
 if __name__ == "__main__":

@@ -1,15 +1,96 @@
-"""What the model benchmarks share: the timed train step both sides run."""
+"""What the benchmarks share: sides timed in alternation, the train step the model benchmarks run, and what the rest
+of the machine did meanwhile (this project's machines are shared virtual ones: a ratio is only read beside it)."""
+from __future__ import annotations
+
+import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-def step_time(forward, params, ids: torch.Tensor) -> float:
-    "Seconds for one forward + backward of the next-token loss."
+def step_time(forward, params, ids: torch.Tensor, sync: Callable[[], None] = lambda: None) -> float:
+    "Seconds for one forward + backward of the next-token loss (`sync` waits for the device: CUDA's is asynchronous)."
     for p in params:
         p.grad = None
+    sync()
     t = time.perf_counter()
     logits = forward(ids[:, :-1])
     F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+    sync()
     return time.perf_counter() - t
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    "A side that times one call of `fn`."
+    def side() -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    return side
+
+
+def alternate(sides: dict[str, Callable[[], float]], reps: int,
+              between: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    "Seconds of every side in `reps` rounds after an untimed warm-up round; the order turns every round."
+    times = {name: [] for name in sides}
+    for rep in range(reps + 1):
+        for name in list(sides)[:: 1 if rep % 2 else -1]:
+            seconds = sides[name]()   # a side returns the seconds it measured
+            if rep:
+                times[name].append(seconds)
+        between()
+    return times
+
+
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+
+
+def matmul_share(fn: Callable[[], object]) -> float:
+    "Share of one profiled call's CPU time spent in matrix products."
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    return sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / sum(e.self_cpu_time_total for e in events)
+
+
+def matmul_bound(steps: dict[str, Callable[[], object]], times: dict[str, list[float]], ours: str,
+                 ref: str = "transformers") -> str:
+    "Both sides' matmul shares, and the reference's median step over our matmul time: our ratio if our other ops were free."
+    share = {k: matmul_share(steps[k]) for k in (ours, ref)}
+    step = {k: statistics.median(times[k]) for k in (ours, ref)}
+    return (f"matrix products: {100 * share[ours]:.0f}% of our step, {100 * share[ref]:.0f}% of {ref}'; "
+            f"{ref}' step / our matmul time = {step[ref] / (step[ours] * share[ours]):.2f}x "
+            "(the ratio if every other op of ours cost nothing)")
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    "(busy, stolen) clock ticks of all cores since boot, from /proc/stat."
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, open("/proc/stat").readline().split()[1:9])
+    return user + nice + system + irq + softirq, steal
+
+
+QUIET = 0.25  # cores the rest of the machine may use while a run still counts as quiet
+
+
+class MachineLoad:
+    "`with MachineLoad() as load:` … `load.report()`: cores the other processes kept busy and the hypervisor stole."
+    def __enter__(self):
+        self.start = _cpu_ticks(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        (busy, steal), cpu, wall = _cpu_ticks(), time.process_time(), time.perf_counter()
+        (busy0, steal0), cpu0, wall0 = self.start
+        hz, seconds = os.sysconf("SC_CLK_TCK"), wall - wall0
+        self.others = max(0.0, (busy - busy0) / hz - (cpu - cpu0)) / seconds   # cores, averaged over the run
+        self.stolen = (steal - steal0) / hz / seconds
+
+    def report(self) -> str:
+        busy = self.others + self.stolen > QUIET
+        return (f"machine meanwhile: other processes {self.others:.2f} cores, stolen by the hypervisor "
+                f"{self.stolen:.2f} cores, of {os.cpu_count()}"
+                + (" - busy: the ratios above are not comparable with a quiet run's" if busy else " (quiet)"))
