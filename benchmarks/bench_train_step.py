@@ -11,7 +11,6 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_train_step.py [--reps 7
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import statistics
 import time
@@ -47,7 +46,7 @@ def main(reps: int = 7, threads: int = 1, preset: str = "tiny"):
     seed_everything(0)
     model = build_model(pl.model)
     batches = [token_loader(pl, load_tokenizer(pl.tokenizer)).next_batch()]
-    cpu = SimpleNamespace(num_processes=1, device=torch.device("cpu"), autocast=contextlib.nullcontext,
+    cpu = SimpleNamespace(num_processes=1, device=torch.device("cpu"),
                           backward=lambda loss: loss.backward())
     run = Run(pl, model, build_optimizer(model, pl.optim), None, cpu, None)
 

@@ -144,7 +144,7 @@ def test_eager_xielu_equals_the_formula_in_values_and_gradients(dtype, tol):
 
 
 def test_cpu_xielu_runs_the_compiled_formula_and_equals_it_up_to_rounding():
-    torch.manual_seed(0)  # fp32: CPUs train in fp32 (bf16 autocast is for GPUs)
+    torch.manual_seed(0)
     edges = torch.tensor([0.0, -0.0, -1e-6, -5e-7, -2e-6, 1e-7, -40.0, 9.0])
     x = torch.cat([torch.randn(3, 5000) * 4, edges.expand(3, -1)], dim=1).requires_grad_()
     ap, an = (torch.tensor([v], requires_grad=True) for v in (0.3, -0.7))
@@ -154,6 +154,18 @@ def test_cpu_xielu_runs_the_compiled_formula_and_equals_it_up_to_rounding():
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
     for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)   # a_p, a_n: sums over 15,024 elements
+
+
+def test_cpu_xielu_under_bf16_autocast_runs_the_compiled_formula_on_bf16_activations():
+    torch.manual_seed(0)   # what a linear under CPU bf16 autocast hands xIELU: bf16 values that autograd records
+    x = (torch.randn(3, 5000) * 4).bfloat16().requires_grad_()
+    ap, an = (torch.tensor([v], requires_grad=True) for v in (0.3, -0.7))
+    ours, ref = xielu(x, ap, an), xielu_reference(x.float(), ap, an)
+    assert ran_compiled(ours)
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=1e-2)   # the bf16 input's rounding only
+    dy = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(ours, [x, ap, an], dy), torch.autograd.grad(ref, [x, ap, an], dy)):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=2e-2)
 
 
 def ran_compiled(y: torch.Tensor) -> bool:

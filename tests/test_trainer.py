@@ -511,3 +511,36 @@ def test_a_bad_out_path_is_one_line_and_exit_2(tmp_path, capsys, out):
     assert main(["--preset", str(write_preset(tmp_path)), "--out", str(path), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("openpretrain train: --out")
+
+
+def test_bf16_falls_back_to_fp32_on_a_cpu_without_bf16_arithmetic(monkeypatch, caplog):
+    from openpretrain.training import parallel
+    monkeypatch.setattr(parallel, "cpu_multiplies_bf16", lambda: False)
+    assert parallel.training_precision("bf16", cuda=False) == "fp32"
+    assert parallel.training_precision("bf16", cuda=True) == "bf16"
+    assert parallel.training_precision("fp32", cuda=True) == "fp32"
+    monkeypatch.setattr(parallel, "cpu_multiplies_bf16", lambda: True)
+    assert parallel.training_precision("bf16", cuda=False) == "bf16"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_run_records_its_precision_and_scores_mfu_against_that_precisions_peak(tmp_path, monkeypatch, precision):
+    from openpretrain.training import parallel
+    monkeypatch.setattr(parallel, "cpu_multiplies_bf16", lambda: True)   # what this run may use, on any CPU
+    peaks = []
+    monkeypatch.setattr(trainer, "measure_peak_flops", lambda device, dtype: peaks.append(dtype) or 1e9)
+    metrics = read_metrics(train_preset(str(write_preset(tmp_path, precision=precision)), tmp_path / "run", 2,
+                                        loader_factory=SyntheticLoader))
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["precision"] == precision
+    assert peaks == [torch.bfloat16 if precision == "bf16" else torch.float32]
+    assert all(math.isfinite(m["loss"]) and m["mfu"] > 0 for m in metrics)
+
+
+def test_bf16_autocast_trains_the_same_curve_as_fp32_within_a_hundredth(tmp_path, monkeypatch):
+    from openpretrain.training import parallel
+    monkeypatch.setattr(parallel, "cpu_multiplies_bf16", lambda: True)   # emulated where the CPU lacks it: slow, same values
+    curves = {q: [m["loss"] for m in read_metrics(train_preset(str(write_preset(tmp_path, q, precision=q)),
+                                                               tmp_path / q, 6, loader_factory=SyntheticLoader))]
+              for q in ("fp32", "bf16")}
+    assert curves["fp32"] != curves["bf16"]                              # bf16 did run
+    assert max(abs(a - b) for a, b in zip(*curves.values())) < 1e-2

@@ -164,9 +164,9 @@ def _compiled_xielu():
     return torch.compile(xielu_reference, dynamic=True)
 
 # %% ../../../nbs/06_dense.ipynb #54b5787c
-def _trains_fp32(x: Tensor) -> bool:
-    "An fp32 activation of more than 4,096 values that autograd records: what the compiled loop is for."
-    return x.dtype == torch.float32 and x.numel() > 4096 and torch.is_grad_enabled() and x.requires_grad
+def _trains(x: Tensor) -> bool:
+    "An fp32 or bf16 activation of more than 4,096 values that autograd records: what the compiled loop is for."
+    return x.dtype in (torch.float32, torch.bfloat16) and x.numel() > 4096 and torch.is_grad_enabled() and x.requires_grad
 
 def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: float = -1e-6) -> Tensor:
     "xIELU: the Triton kernel on CUDA, the inductor-compiled formula on CPU, else `xielu_eager`."
@@ -174,7 +174,7 @@ def xielu(x: Tensor, alpha_p: Tensor, alpha_n: Tensor, beta: float = 0.5, eps: f
         return xielu_reference(x, alpha_p, alpha_n, beta, eps)
     if x.is_cuda and (fused := _fused_xielu()) is not None:
         return fused(x, alpha_p, alpha_n, beta, eps)
-    if x.device.type == "cpu" and _trains_fp32(x) and (compiled := _compiled_xielu()) is not None:
+    if x.device.type == "cpu" and _trains(x) and (compiled := _compiled_xielu()) is not None:
         return compiled(x.reshape(-1), alpha_p, alpha_n, beta, eps).view(x.shape)   # one graph for every shape
     return xielu_eager(x, alpha_p, alpha_n, beta, eps)
 

@@ -28,7 +28,7 @@ __all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'chec
 @dataclass(kw_only=True)
 class TrainConfig:
     micro_batch: int = 1             # sequences per device and forward; the rest of optim.batch_size is accumulated (Soofi S: 2)
-    precision: str = "bf16"          # bf16 autocast over fp32 weights | fp32 (Soofi S: bf16 mixed precision); CPUs run fp32
+    precision: str = "bf16"          # bf16 autocast over fp32 weights | fp32 (Soofi S: bf16); fp32 on CPUs without bf16 arithmetic
     parallel: str = "fsdp2"          # ddp | fsdp2 (torch fully_shard) across processes (Soofi S: DP + EP 8 + sharded optimizer)
     compile: bool = False            # torch.compile each block (bench_dense/bench_hybrid --compile measure where it pays)
     checkpoint_every: int = 1000     # optimizer steps between checkpoints (not published)

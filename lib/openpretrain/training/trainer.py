@@ -37,8 +37,8 @@ from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, 
                                               latest_valid_checkpoint, prune_checkpoints, restore_state, save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
-from .parallel import (all_sum, device_of, gradient_sync, keep_freed_memory, measure_peak_flops,
-                                            parallelize, sync, unwrap)
+from .parallel import (all_sum, autocast, device_of, gradient_sync, keep_freed_memory,
+                                            measure_peak_flops, parallelize, sync, training_precision, unwrap)
 from .plan import Plan, fingerprint, plan, token_loader
 
 # %% ../../../nbs/11_train.ipynb #03ca8e3b
@@ -80,11 +80,12 @@ class Run:
     model: nn.Module                 # DDP- or FSDP2-wrapped when several processes run
     optimizer: torch.optim.Optimizer
     loader: object                   # next_batch(), state_dict(), load_state_dict(): a TokenLoader or a later chapter's
-    accelerator: object              # accelerate.Accelerator: device, processes, autocast, backward
+    accelerator: object              # accelerate.Accelerator: device, processes, backward
     out: Path                        # the run folder: metrics.jsonl, run.json, checkpoints/
     log: MetricsLog | None = None    # rank 0's metrics.jsonl
     hooks: list = field(default_factory=list)  # after each step, on every rank: hook(run) → extra metrics for its row
     step: int = 0                    # optimizer steps done
+    precision: str = "fp32"          # what it trains in: bf16 autocast or fp32 (`training_precision` of the plan's)
 
     @property
     def checkpoints(self) -> Path:
@@ -104,7 +105,7 @@ def train_step(run: Run, batches: list, objective: Objective) -> dict:
         raise ValueError("the global batch has no target left after masking")
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     for i, b in enumerate(batches):
-        with gradient_sync(model, acc, i == len(batches) - 1), acc.autocast():
+        with gradient_sync(model, acc, i == len(batches) - 1), autocast(run.precision, device):
             loss = objective.loss_sum(model, b) / n.float()
             aux = registry.aux_loss(unwrap(model)) / len(batches)
             acc.backward(loss * world + aux)   # DDP/FSDP2 average gradients over the world: undo it for the sum
@@ -182,11 +183,10 @@ def run_constants(run: Run) -> tuple[float, float]:
     pl, acc = run.plan, run.accelerator
     device = device_of(acc)
     flops = registry.flops_per_token(pl.model, pl.data.seq_len)
-    peak = measure_peak_flops(device, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float32)
+    peak = measure_peak_flops(device, torch.bfloat16 if run.precision == "bf16" else torch.float32)   # as it trains
     if run.log:
-        (run.out / "run.json").write_text(json.dumps(
-            {"peak_flops": peak, "flops_per_token": flops, "world_size": acc.num_processes, "device": str(device)},
-            indent=1))
+        (run.out / "run.json").write_text(json.dumps({"peak_flops": peak, "flops_per_token": flops, "precision": run.precision,
+                                                      "world_size": acc.num_processes, "device": str(device)}, indent=1))
     return flops, peak
 
 # %% ../../../nbs/11_train.ipynb #e356f621
@@ -276,7 +276,7 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
     "A run of `pl` — its folder locked, model, optimizer and loader built, resumed if asked — for the block's duration."
     from accelerate import Accelerator
     cuda = resolve_device(pl.preset.device).startswith("cuda")
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and pl.train.precision == "bf16" else "no")
+    accelerator = Accelerator(cpu=not cuda)
     if not cuda:   # CPU runs repeat bit for bit: without this the hybrid's gradients differ in the last bits between processes
         torch.use_deterministic_algorithms(True)
         keep_freed_memory()
@@ -300,12 +300,13 @@ def build_run(pl: Plan, out: Path, accelerator, loader_factory) -> Run:
     "The seeded model, its optimizer and this process's loader, at step 0."
     seed_everything(pl.preset.seed)
     model = registry.build_model(pl.model, device=device_of(accelerator), compile=pl.train.compile)
-    model = parallelize(model, pl.train, accelerator)
+    precision = training_precision(pl.train.precision, device_of(accelerator).type == "cuda")
+    model = parallelize(model, pl.train, accelerator, precision)
     tokenizer = load_tokenizer(pl.tokenizer)
     drops = DropCounter(mask) if (mask := label_mask(pl.goldfish, tokenizer)) else None
     return Run(pl, model, build_optimizer(model, pl.optim),
                loader_factory(pl, tokenizer, accelerator.process_index, accelerator.num_processes, drops),
-               accelerator, out, hooks=[goldfish_share(drops)] if drops else [])
+               accelerator, out, hooks=[goldfish_share(drops)] if drops else [], precision=precision)
 
 def resume_run(run: Run) -> None:
     "Restore the newest checkpoint of this run; refuse when checkpoints exist and none is intact and this run's."
