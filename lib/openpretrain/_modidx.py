@@ -393,6 +393,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'openpretrain/compliance/toxicity.py'),
                                                   'openpretrain.compliance.toxicity._train_epoch': ( 'toxicity.html#_train_epoch',
                                                                                                      'openpretrain/compliance/toxicity.py'),
+                                                  'openpretrain.compliance.toxicity._worker_embedder': ( 'toxicity.html#_worker_embedder',
+                                                                                                         'openpretrain/compliance/toxicity.py'),
                                                   'openpretrain.compliance.toxicity.balance': ( 'toxicity.html#balance',
                                                                                                 'openpretrain/compliance/toxicity.py'),
                                                   'openpretrain.compliance.toxicity.build_heads': ( 'toxicity.html#build_heads',

@@ -195,7 +195,12 @@ def _embed_parallel(embedder: USEEmbedder, texts: list[str]) -> list[np.ndarray]
 
 def _embed_slice(args) -> list[np.ndarray]:
     chunk_words, max_chunks, threads, texts = args
-    return USEEmbedder(chunk_words, max_chunks, threads).embed(texts)
+    return _worker_embedder(chunk_words, max_chunks, threads).embed(texts)
+
+@functools.cache
+def _worker_embedder(chunk_words: int, max_chunks: int, threads: int) -> USEEmbedder:
+    "One embedder per worker process: USE loads its graph on first use (2.5 s here), once per worker, not per slice."
+    return USEEmbedder(chunk_words, max_chunks, threads)
 
 # %% ../../../nbs/04_toxicity.ipynb #dbbddd9c
 class CachedEmbedder:
