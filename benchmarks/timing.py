@@ -73,20 +73,36 @@ def _cpu_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq, steal
 
 
+def _own_ticks() -> int:
+    "CPU clock ticks of this process and every process below it (inductor's compile workers, pools), reaped ones too."
+    parent, ticks = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:   # gone meanwhile
+            continue
+        parent[int(pid)], ticks[int(pid)] = int(fields[1]), sum(map(int, fields[11:15]))  # utime stime cutime cstime
+    tree, frontier = set(), {os.getpid()}
+    while frontier:
+        tree |= frontier
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - tree
+    return sum(ticks.get(pid, 0) for pid in tree)
+
+
 QUIET = 0.25  # cores the rest of the machine may use while a run still counts as quiet
 
 
 class MachineLoad:
     "`with MachineLoad() as load:` … `load.report()`: cores the other processes kept busy and the hypervisor stole."
     def __enter__(self):
-        self.start = _cpu_ticks(), time.process_time(), time.perf_counter()
+        self.start = _cpu_ticks(), _own_ticks(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        (busy, steal), cpu, wall = _cpu_ticks(), time.process_time(), time.perf_counter()
-        (busy0, steal0), cpu0, wall0 = self.start
+        (busy, steal), own, wall = _cpu_ticks(), _own_ticks(), time.perf_counter()
+        (busy0, steal0), own0, wall0 = self.start
         hz, seconds = os.sysconf("SC_CLK_TCK"), wall - wall0
-        self.others = max(0.0, (busy - busy0) / hz - (cpu - cpu0)) / seconds   # cores, averaged over the run
+        self.others = max(0, (busy - busy0) - (own - own0)) / hz / seconds   # cores, averaged over the run
         self.stolen = (steal - steal0) / hz / seconds
 
     def report(self) -> str:
