@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import fcntl
 import hashlib
+import json
 import math
 import os
 import random
@@ -29,10 +30,11 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'project_root',
-           'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded',
-           'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets', 'load_preset', 'seed_everything',
-           'resolve_device', 'outputs_root', 'Artifacts', 'paper_vs_ours']
+__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'VERDICTS',
+           'project_root', 'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError',
+           'bounded', 'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets', 'load_preset', 'seed_everything',
+           'resolve_device', 'outputs_root', 'Artifacts', 'Tolerance', 'Verdict', 'by_construction', 'not_comparable',
+           'holds', 'within', 'effect', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -365,6 +367,18 @@ class Artifacts:
         out.parent.mkdir(parents=True, exist_ok=True)
         return out
 
+# %% ../../nbs/00_core.ipynb #8c7279b9
+@dataclass(frozen=True)
+class Tolerance:
+    "How far a table's numbers may move on a machine with other numerics; its text must stay equal."
+    rel: float = 0.0  # relative tolerance of every number in the table
+    abs: float = 0.0  # absolute tolerance, for numbers near zero
+    why: str = ""     # what makes this table's numbers depend on the machine
+
+    def __post_init__(self):
+        if not (self.rel >= 0 and self.abs >= 0 and self.rel + self.abs > 0 and self.why):
+            raise ValueError(f"a tolerance needs rel or abs > 0 (neither negative) and a reason, got {self}")
+
 # %% ../../nbs/00_core.ipynb #6af6e909
 @patch_to(Artifacts)
 def figure(self, fig, name: str) -> Path:
@@ -376,11 +390,13 @@ def figure(self, fig, name: str) -> Path:
     return png
 
 @patch_to(Artifacts)
-def table(self, df, name: str, floatfmt: str = ".4g"):
-    "Save a DataFrame as CSV and Markdown; returns the DataFrame so a cell can display it."
+def table(self, df, name: str, floatfmt: str = ".4g", tolerance: Tolerance | None = None):
+    "Save a DataFrame as CSV and Markdown (and its `tolerance`, if any, beside them); returns the DataFrame."
     csv = self.path("tables", name, ".csv")
     df.to_csv(csv, index=False)
     csv.with_suffix(".md").write_text(df.to_markdown(index=False, floatfmt=floatfmt) + "\n")
+    if tolerance is not None:
+        csv.with_suffix(".tolerance.json").write_text(json.dumps(dataclasses.asdict(tolerance)) + "\n")
     return df
 
 @patch_to(Artifacts)
@@ -389,7 +405,55 @@ def data(self, df, name: str):
     df.to_parquet(self.path("data", name, ".parquet"), index=False)
     return df
 
+# %% ../../nbs/00_core.ipynb #e4d75350
+VERDICTS = ("reproduces", "same direction, weaker", "does not reproduce at this scale", "by construction",
+            "not comparable")
+
+@dataclass(frozen=True)
+class Verdict:
+    "How one paper-vs-ours row came out, and the rule — with the numbers it compared — that decided it."
+    verdict: str  # one of VERDICTS
+    rule: str     # the rule in words, filled with this run's numbers
+
+    def __post_init__(self):
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+        if not self.rule:
+            raise ValueError("a verdict needs the rule that decided it")
+
+# %% ../../nbs/00_core.ipynb #5beffa14
+def by_construction(why: str) -> Verdict:
+    "A row that holds because the code is built that way; no experiment decided it."
+    return Verdict("by construction", why)
+
+def not_comparable(why: str) -> Verdict:
+    "A row whose quantity means something else at our scale, or that the paper does not publish."
+    return Verdict("not comparable", why)
+
+def holds(claim: bool, what: str) -> Verdict:
+    "A yes/no claim of the paper checked on our run: reproduces when it holds."
+    return Verdict("reproduces" if claim else "does not reproduce at this scale", f"{what}: {'yes' if claim else 'no'}")
+
+def within(paper: float, ours: float, rel: float) -> Verdict:
+    "A published number ours should match: reproduces when |ours − paper| ≤ rel·|paper|."
+    gap, room = abs(ours - paper), rel * abs(paper)
+    return Verdict("reproduces" if gap <= room else "does not reproduce at this scale",
+                   f"|ours − paper| = {gap:.3g} {'≤' if gap <= room else '>'} {rel:g}·|paper| = {room:.3g}")
+
+# %% ../../nbs/00_core.ipynb #3ca821d4
+def effect(paper: float, ours: float, noise: float) -> Verdict:
+    "Signed effects in one unit: reproduces at the paper's size or more, weaker below it, not at all inside the noise."
+    rule = f"ours {ours:+.3g} vs paper {paper:+.3g}, noise {noise:.3g}"
+    if abs(ours) <= noise:
+        return Verdict("does not reproduce at this scale", rule + ": inside the noise")
+    if (ours > 0) != (paper > 0):
+        return Verdict("does not reproduce at this scale", rule + ": the other direction")
+    return Verdict("reproduces" if abs(ours) >= abs(paper) else "same direction, weaker", rule)
+
 def paper_vs_ours(rows: list[tuple]):
-    "The closing table of a chapter: (quantity, paper, ours, why they differ) rows → DataFrame."
+    "The closing table of a chapter: (quantity, paper, ours, why they differ, Verdict) rows → DataFrame."
     import pandas as pd
-    return pd.DataFrame(rows, columns=["quantity", "paper", "ours", "why they differ"])
+    if bad := [r[0] for r in rows if len(r) != 5 or not isinstance(r[4], Verdict)]:
+        raise TypeError(f"every paper-vs-ours row needs a Verdict from a rule as its fifth item: {bad}")
+    return pd.DataFrame([(*r[:4], r[4].verdict, r[4].rule) for r in rows],
+                        columns=["quantity", "paper", "ours", "why they differ", "verdict", "rule"])
