@@ -16,9 +16,11 @@ import hashlib
 import json
 import math
 import os
+import platform
 import random
 import re
 import socket
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,11 +32,11 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'CHAPTER_NAME', 'VERDICTS',
-           'project_root', 'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError',
-           'bounded', 'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets', 'load_preset', 'seed_everything',
-           'resolve_device', 'outputs_root', 'Artifacts', 'Tolerance', 'Verdict', 'by_construction', 'not_comparable',
-           'holds', 'within', 'effect', 'paper_vs_ours']
+__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'NUMERICS_ENV', 'CPU_ISA_FLAGS',
+           'CHAPTER_NAME', 'VERDICTS', 'project_root', 'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse',
+           'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets',
+           'load_preset', 'seed_everything', 'resolve_device', 'numerics', 'compile_cache', 'outputs_root', 'Artifacts',
+           'Tolerance', 'Verdict', 'by_construction', 'not_comparable', 'holds', 'within', 'effect', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -334,6 +336,44 @@ def resolve_device(device: str = "auto") -> str:
         raise ConfigError(f"device must be auto, cpu, cuda[:N] or meta, got '{device}'")
     return device
 
+# %% ../../nbs/00_core.ipynb #b4911222
+NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OMP_NUM_THREADS")
+CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")  # what kernels branch on
+
+def numerics() -> dict:
+    "The CPU and its vector ISA, the math libraries and compiler, the threads and pins: what decides last bits here."
+    import torch
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(key)), "")
+    build = torch.__config__.show()
+    lib = lambda pattern: (m.group(1) if (m := re.search(pattern, build)) else "none")
+    return dict(cpu=field("model name") or platform.processor(), vendor=field("vendor_id"),
+                isa=[f for f in CPU_ISA_FLAGS if f in field("flags").split()],
+                aten=torch.backends.cpu.get_cpu_capability(), torch=torch.__version__,
+                onednn=lib(r"MKL-DNN (v[\d.]+)"), mkl=lib(r"Math Kernel Library Version ([\d.]+)"),
+                cxx=_compiler_version(), threads=torch.get_num_threads(),
+                cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                env={k: os.environ[k] for k in NUMERICS_ENV if k in os.environ})
+
+# %% ../../nbs/00_core.ipynb #587a1b36
+def _compiler_version() -> str:
+    "The first line of `$CXX --version` (inductor's C++ compiler), or 'none'."
+    import subprocess
+    cxx = os.environ.get("CXX") or "g++"
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "none"
+
+def compile_cache() -> Path:
+    "Key inductor's cache folder by this machine's numerics, so code compiled for one ISA is never run under another."
+    key = hashlib.sha256(json.dumps({k: v for k, v in numerics().items() if k != "threads"}, sort_keys=True).encode())
+    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / "openpretrain-inductor")
+    base = base.parent if base.name.startswith("numerics-") else base   # keyed before (this or a parent process)
+    folder = base / f"numerics-{key.hexdigest()[:12]}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
+
 # %% ../../nbs/00_core.ipynb #c5cf0703
 def outputs_root(root: str | os.PathLike = "outputs") -> Path:
     "The report root: $OPENPRETRAIN_OUTPUTS when set (the report runner and `make test` set it), else `root` in the checkout."
@@ -367,7 +407,7 @@ class Artifacts:
         out.parent.mkdir(parents=True, exist_ok=True)
         return out
 
-# %% ../../nbs/00_core.ipynb #8c7279b9
+# %% ../../nbs/00_core.ipynb #df6e5df5
 @dataclass(frozen=True)
 class Tolerance:
     "How far a table's numbers may move on a machine with other numerics; its text must stay equal."
@@ -405,7 +445,7 @@ def data(self, df, name: str):
     df.to_parquet(self.path("data", name, ".parquet"), index=False)
     return df
 
-# %% ../../nbs/00_core.ipynb #e4d75350
+# %% ../../nbs/00_core.ipynb #0bb1f14f
 VERDICTS = ("reproduces", "same direction, weaker", "does not reproduce at this scale", "by construction",
             "not comparable")
 
@@ -421,7 +461,7 @@ class Verdict:
         if not self.rule:
             raise ValueError("a verdict needs the rule that decided it")
 
-# %% ../../nbs/00_core.ipynb #5beffa14
+# %% ../../nbs/00_core.ipynb #82c0f916
 def by_construction(why: str) -> Verdict:
     "A row that holds because the code is built that way; no experiment decided it."
     return Verdict("by construction", why)
@@ -440,7 +480,7 @@ def within(paper: float, ours: float, rel: float) -> Verdict:
     return Verdict("reproduces" if gap <= room else "does not reproduce at this scale",
                    f"|ours − paper| = {gap:.3g} {'≤' if gap <= room else '>'} {rel:g}·|paper| = {room:.3g}")
 
-# %% ../../nbs/00_core.ipynb #3ca821d4
+# %% ../../nbs/00_core.ipynb #4f3149d7
 def effect(paper: float, ours: float, noise: float) -> Verdict:
     "Signed effects in one unit: reproduces at the paper's size or more, weaker below it, not at all inside the noise."
     rule = f"ours {ours:+.3g} vs paper {paper:+.3g}, noise {noise:.3g}"

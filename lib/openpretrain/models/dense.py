@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from fastcore.basics import patch
 
-from ..core import ConfigError
+from ..core import ConfigError, compile_cache
 from .common import (Attention, AttnMask, KVCache, RMSNorm, Rotary, attention_mask,
                                         document_positions, materialize, require_positive)
 
@@ -160,7 +160,7 @@ def _compiled_xielu():
     if shutil.which(cxx) is None:
         log.warning(f"xIELU on CPU: xielu_eager (PyTorch ops, hand-written backward), no C++ compiler '{cxx}' for inductor")
         return None
-    log.info(f"xIELU on CPU: xielu_reference compiled by inductor ({cxx})")
+    log.info(f"xIELU on CPU: xielu_reference compiled by inductor ({cxx}) into {compile_cache()}")
     return torch.compile(xielu_reference, dynamic=True)
 
 # %% ../../../nbs/06_dense.ipynb #54b5787c

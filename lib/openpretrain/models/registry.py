@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..core import ConfigError, Preset
+from ..core import ConfigError, Preset, compile_cache
 
 # %% auto #0
 __all__ = ['ARCHS', 'HF_MODEL_TYPES', 'arch_module', 'config_class', 'register', 'model_config', 'build_model', 'to_hf',
@@ -57,6 +57,8 @@ def build_model(config, device: str | torch.device = "cpu", dtype: torch.dtype =
     arch = getattr(config, "arch", None)
     if arch not in ARCHS or not isinstance(config, config_class(arch)):
         raise TypeError(f"build_model takes a DenseConfig or HybridConfig, got {type(config).__name__}")
+    if compile:
+        compile_cache()  # inductor's cache keyed by this machine's numerics (chapter 00)
     return arch_module(arch).build(config, device, dtype, compile)
 
 # %% ../../../nbs/07a_registry.ipynb #cc96cb80

@@ -46,13 +46,15 @@ def sync(device: torch.device) -> None:
 
 # %% ../../../nbs/10c_parallel.ipynb #5316a148
 def cpu_multiplies_bf16() -> bool:
-    "This CPU has bf16 dot products in hardware (AVX512-BF16; AMX CPUs have it too)."
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    "This CPU has bf16 dot products in hardware (AVX512-BF16; AMX CPUs have it too) and ATen may use AVX-512."
+    hardware = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return hardware and torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # not pinned (portable numerics)
 
 def training_precision(precision: str, cuda: bool) -> str:
     "What a run asking for `precision` (bf16 | fp32) trains in: bf16 on GPUs and on CPUs with bf16 arithmetic."
     if precision == "bf16" and not (cuda or cpu_multiplies_bf16()):
-        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16): training in fp32")
+        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16), or ATen is pinned "
+                  "below AVX-512 (ATEN_CPU_CAPABILITY, portable numerics): training in fp32")
         return "fp32"
     return precision
 
