@@ -1,6 +1,7 @@
 """Presets, typed configs and the report runner's settings, index and manifest."""
 import hashlib
 import json
+from pathlib import Path
 import subprocess
 from dataclasses import dataclass, field
 
@@ -379,3 +380,82 @@ def test_a_settings_file_that_is_not_one_fails_in_one_line(tmp_path, text):
     (tmp_path / "settings.ini").write_text(text)
     with pytest.raises(ConfigError, match=r"settings.ini: not a settings file \((File contains no section headers|While reading)"):
         read_settings(tmp_path / "settings.ini")
+
+
+# --- reproducible beyond the machine that made it (issue 19) ----------------------------------------------
+
+def _two_runs(tmp_path, committed_text, fresh_text, tolerance=None, isa=("AVX512", "AVX2")):
+    "A committed and a fresh output folder holding one paper-vs-ours table, run under the two `isa` fingerprints."
+    path = "tables/11_train-paper-vs-ours.csv"
+    manifests = []
+    for name, text, aten in (("old", committed_text, isa[0]), ("new", fresh_text, isa[1])):
+        (tmp_path / name / "tables").mkdir(parents=True)
+        (tmp_path / name / path).write_text(text)
+        if tolerance:
+            (tmp_path / name / "tables/11_train-paper-vs-ours.tolerance.json").write_text(json.dumps(tolerance))
+        manifests.append({"artifacts": [dict(path=path, kind="tables", chapter="11_train", sha256=text)],
+                          "runs": {"11_train": {"numerics": {"aten": aten}}}})
+    return compare_manifests(*manifests, dirs=(tmp_path / "old", tmp_path / "new"))
+
+
+ROW = "quantity,paper,ours,why they differ,verdict,rule\nfinal loss,1.906,{loss},tiny,{verdict},gap {loss}\n"
+TOL = {"rel": 1e-3, "abs": 0.0, "why": "fp32 training over 24 steps"}
+
+
+def test_on_other_numerics_a_table_may_move_within_its_declared_tolerance_and_no_further(tmp_path):
+    a = ROW.format(loss="7.70213", verdict="reproduces")
+    assert _two_runs(tmp_path / "1", a, ROW.format(loss="7.70251", verdict="reproduces"), TOL) == []
+    far = _two_runs(tmp_path / "2", a, ROW.format(loss="7.7102", verdict="reproduces"), TOL)
+    assert far == ["differs beyond its tolerance: tables/11_train-paper-vs-ours.csv (7.70213 vs 7.7102; rel 0.001, abs 0)"]
+
+
+def test_on_other_numerics_a_verdict_must_not_move_even_inside_the_tolerance(tmp_path):
+    moved = _two_runs(tmp_path, ROW.format(loss="7.70213", verdict="reproduces"),
+                      ROW.format(loss="7.70214", verdict="same direction, weaker"), TOL)
+    assert len(moved) == 1 and "text" in moved[0]
+
+
+def test_a_table_without_a_tolerance_must_match_exactly_on_other_numerics_and_any_table_on_the_same(tmp_path):
+    a, b = ROW.format(loss="7.70213", verdict="reproduces"), ROW.format(loss="7.70214", verdict="reproduces")
+    assert "declares no tolerance" in _two_runs(tmp_path / "1", a, b)[0]
+    assert _two_runs(tmp_path / "2", a, b, TOL, isa=("AVX2", "AVX2")) == [
+        "differs: tables/11_train-paper-vs-ours.csv"]  # equal fingerprints: bit for bit, tolerance or not
+
+
+def test_portable_numerics_pin_every_chapters_kernels_and_the_fingerprint_records_it(tmp_path, monkeypatch):
+    import os
+
+    import papermill as pm
+
+    from openpretrain.report import PORTABLE_ENV, machine_numerics, run_chapter
+    seen = {}
+    monkeypatch.setattr(pm, "execute_notebook", lambda *a, **k: seen.update(os.environ))
+    run_chapter("00_core", ReportSettings(outputs=str(tmp_path), device="cpu", numerics="portable"))
+    assert all(seen[k] == v for k, v in PORTABLE_ENV.items())
+    portable = machine_numerics(ReportSettings(numerics="portable"))
+    assert portable["aten"] == "AVX2" and portable["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_a_pinned_isa_compiles_into_its_own_inductor_cache_even_when_the_parent_keyed_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = "from openpretrain.core import compile_cache; print(compile_cache())"
+    def folder(**env):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+        return Path(out.stdout.strip())
+    native = folder(TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    pinned = folder(TORCHINDUCTOR_CACHE_DIR=str(native), ATEN_CPU_CAPABILITY="avx2")  # inherited a keyed folder
+    assert native.parent == pinned.parent == tmp_path and native != pinned
+
+
+def test_the_report_prints_a_progress_line_with_an_eta_from_the_last_timings(tmp_path, capsys, monkeypatch):
+    import openpretrain.report as report
+    s = ReportSettings(outputs=str(tmp_path), device="cpu")
+    s.out_dir.mkdir(parents=True)
+    (s.out_dir / "timings.csv").write_text("chapter,seconds,commit\n00_core,120.0,abc\n01_corpus,60.0,abc\n")
+    monkeypatch.setattr(report, "run_chapter", lambda chapter, s: 1.0)
+    monkeypatch.setattr(report, "write_index", lambda *a, **k: None)
+    run_report(s, only=["00_core", "01_corpus"])
+    err = capsys.readouterr().err
+    assert "report [1/2] 00_core (last run 120 s; about 3 min left" in err and "[2/2] 01_corpus" in err

@@ -13,8 +13,10 @@ import datetime as dt
 import html
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -24,9 +26,11 @@ from unittest import mock
 from .core import ConfigError, list_presets, project_root, sha256_file
 
 # %% auto #0
-__all__ = ['SETTING_KEYS', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'UPSTREAM', 'discover_chapters', 'ReportSettings',
-           'read_settings', 'check_settings', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report',
-           'git_state', 'collect_artifacts', 'write_index', 'compare_manifests', 'reuse_upstream', 'check_report']
+__all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
+           'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
+           'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'last_timings', 'git_state',
+           'collect_artifacts', 'write_index', 'compare_manifests', 'within_tolerance', 'reuse_upstream',
+           'check_report']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -45,6 +49,7 @@ class ReportSettings:
     seed: int = 0                    # global seed passed to every chapter
     device: str = "auto"             # auto | cpu | cuda
     cell_timeout: int = 1800         # seconds one cell may run
+    numerics: str = "native"         # native | portable: ATen, oneDNN and MKL pinned to AVX2 (so fp32), see below
     chapters: list[str] = field(default_factory=discover_chapters)  # notebook stems, in report order
 
     @property
@@ -53,7 +58,7 @@ class ReportSettings:
         return (root if root.is_absolute() else project_root() / root) / self.preset
 
 # %% ../../nbs/90_report.ipynb #bf8abb5e
-SETTING_KEYS = ("preset", "outputs", "seed", "device", "cell_timeout")
+SETTING_KEYS = ("preset", "outputs", "seed", "device", "cell_timeout", "numerics")
 
 def read_settings(path: str | Path | None = None) -> ReportSettings:
     "Read `[report]` from settings.ini (the project's by default); chapters come from `discover_chapters`."
@@ -75,9 +80,25 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
     try:
         return ReportSettings(preset=sec.get("preset", "tiny"), outputs=sec.get("outputs", "outputs"),
                               seed=sec.getint("seed", 0), device=sec.get("device", "auto"),
-                              cell_timeout=sec.getint("cell_timeout", 1800))
+                              cell_timeout=sec.getint("cell_timeout", 1800), numerics=sec.get("numerics", "native"))
     except ValueError as e:
         raise ConfigError(f"{path} [report]: {e}") from None
+
+# %% ../../nbs/90_report.ipynb #a5c56541
+NUMERICS = ("native", "portable")
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",  # ATen's and oneDNN's kernels
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2"}        # MKL's, with its reproducible mode
+
+def chapter_env(s: ReportSettings) -> dict[str, str]:
+    "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the pins."
+    return {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent), **(PORTABLE_ENV if s.numerics == "portable" else {})}
+
+def machine_numerics(s: ReportSettings) -> dict:
+    "`numerics()` as a chapter's kernel sees it: a fresh interpreter in the chapter's environment."
+    code = "import json; from openpretrain.core import numerics; print(json.dumps(numerics()))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **chapter_env(s)}, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
 
 # %% ../../nbs/90_report.ipynb #45dbc4b9
 def check_settings(s: ReportSettings) -> ReportSettings:
@@ -88,6 +109,8 @@ def check_settings(s: ReportSettings) -> ReportSettings:
         raise ConfigError(f"device must be auto, cpu or cuda, got '{s.device}'")
     if s.cell_timeout <= 0:
         raise ConfigError(f"cell_timeout must be a positive number of seconds, got {s.cell_timeout}")
+    if s.numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got '{s.numerics}'")
     nbs = project_root() / "nbs"
     if missing := [c for c in s.chapters if not (nbs / f"{c}.ipynb").is_file()]:
         raise ConfigError(f"chapters not found under {nbs}: {', '.join(missing)}")
@@ -120,9 +143,8 @@ def run_chapter(chapter: str, s: ReportSettings) -> float:
     run = dict(preset=s.preset, outputs=str(Path(s.outputs)), seed=s.seed, device=s.device)
     params = {k: v for k, v in run.items() if k in pm.inspect_notebook(str(src))}  # only what the chapter declares
     t0 = time.perf_counter()
-    root = {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent)}  # artifacts and the compliance output 08 reads share it
     try:
-        with mock.patch.dict(os.environ, root):
+        with mock.patch.dict(os.environ, chapter_env(s)):
             pm.execute_notebook(src, dst, parameters=params, cwd=str(src.parent), kernel_name="python3",
                                 execution_timeout=s.cell_timeout, progress_bar={"desc": chapter, "leave": True})
     except pm.PapermillExecutionError as e:
@@ -136,11 +158,22 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
     if only and (unknown := [c for c in only if c not in s.chapters]):
         raise ConfigError(f"--only: unknown chapters {unknown}; chapters: {', '.join(s.chapters)}")
     _check_writable(s.out_dir)
-    state, times = git_state(), {}
-    for chapter in (c for c in s.chapters if not only or c in only):
+    state, times = dict(git_state(), numerics=machine_numerics(s)), {}
+    todo, last = [c for c in s.chapters if not only or c in only], last_timings(s.out_dir)
+    for i, chapter in enumerate(todo):
+        eta = sum(last.get(c, 0.0) for c in todo[i:])
+        print(f"report [{i + 1}/{len(todo)}] {chapter} (last run {last.get(chapter, 0):.0f} s; "
+              f"about {eta / 60:.0f} min left by the last timings)", file=sys.stderr, flush=True)
         times[chapter] = run_chapter(chapter, s)
     write_index(s, times, state)
     return times
+
+def last_timings(out: Path) -> dict[str, float]:
+    "Seconds per chapter of the last run into `out` (timings.csv), or of the committed report; {} if neither."
+    for f in (out / "timings.csv", project_root() / "outputs" / out.name / "timings.csv"):
+        if f.is_file():
+            return {c: float(t) for c, t, *_ in (line.split(",") for line in f.read_text().splitlines()[1:])}
+    return {}
 
 def _check_writable(out: Path) -> None:
     try:
@@ -174,7 +207,8 @@ def write_index(s: ReportSettings, times: dict[str, float] | None = None, state:
     old = json.loads((out / "manifest.json").read_text()).get("runs", {}) if (out / "manifest.json").is_file() else {}
     arts = collect_artifacts(out, s.chapters)
     made = {a["chapter"] for a in arts}
-    runs = {c: {"commit": state["commit"], "seconds": round(times[c], 1)} if c in (times or {}) else old[c]
+    runs = {c: {"commit": state["commit"], "seconds": round(times[c], 1), "numerics": state.get("numerics")}
+            if c in (times or {}) else old[c]
             for c in s.chapters if c in (times or {}) or (c in old and c in made)}
     meta = dict(preset=s.preset, commit=state["commit"], tracked_changes=state["tracked_changes"], seed=s.seed,
                 device=s.device, generated=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -227,15 +261,56 @@ def _index_html(meta: dict, arts: list[dict], out: Path) -> str:
 # %% ../../nbs/90_report.ipynb #298b955b
 CHECKED_KINDS = ("figures", "tables")  # what must be identical across two runs of one commit
 
-def compare_manifests(committed: dict, fresh: dict, chapters: list[str] | None = None) -> list[str]:
-    "One line per table or figure of `chapters` whose sha256 differs, or that only one manifest lists (timings: exempt)."
+def compare_manifests(committed: dict, fresh: dict, chapters: list[str] | None = None,
+                      dirs: tuple[Path, Path] | None = None) -> list[str]:
+    "One line per table or figure of `chapters` that differs beyond what its numerics allow, or that one run lacks."
     def hashes(m):
         return {a["path"]: a["sha256"] for a in m["artifacts"] if a["kind"] in CHECKED_KINDS
                 and "-timings" not in a["path"] and (chapters is None or a["chapter"] in chapters)}
     old, new = hashes(committed), hashes(fresh)
-    return ([f"differs: {p}" for p in sorted(old.keys() & new.keys()) if old[p] != new[p]]
+    changed = [p for p in sorted(old.keys() & new.keys()) if old[p] != new[p]]
+    return ([line for p in changed if (line := _difference(p, committed, fresh, dirs))]
             + [f"missing from the rerun: {p}" for p in sorted(old.keys() - new.keys())]
             + [f"not in the committed manifest: {p}" for p in sorted(new.keys() - old.keys())])
+
+def _difference(path: str, committed: dict, fresh: dict, dirs: tuple[Path, Path] | None) -> str | None:
+    "Why a changed artifact fails the check, or None where other numerics and its declared tolerance allow it."
+    chapter = next(a["chapter"] for a in committed["artifacts"] if a["path"] == path)
+    fingerprint = lambda m: m.get("runs", {}).get(chapter, {}).get("numerics")
+    same = fingerprint(committed) is not None and fingerprint(committed) == fingerprint(fresh)
+    if same or dirs is None:
+        return f"differs: {path}"
+    if path.startswith("figures/"):
+        return None                                    # drawn from the tables, which are compared below
+    tol = dirs[0] / re.sub(r"\.(csv|md)$", ".tolerance.json", path)
+    if not tol.is_file():
+        return f"differs on other numerics, and its chapter declares no tolerance: {path}"
+    return within_tolerance((dirs[0] / path).read_text(), (dirs[1] / path).read_text(), json.loads(tol.read_text()),
+                            path)
+
+# %% ../../nbs/90_report.ipynb #aab4e689
+NUMBER = re.compile(r"([-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\bnan\b|\binf\b)")
+
+def within_tolerance(committed: str, fresh: str, tol: dict, name: str = "table") -> str | None:
+    "None when the texts are equal up to `tol` (rel, abs) on their numbers; else where they first part."
+    a, b = NUMBER.split(committed), NUMBER.split(fresh)
+    if len(a) != len(b):
+        return f"differs beyond its tolerance: {name} (another count of numbers)"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i % 2 == 0 and _plain(x) != _plain(y):
+            return f"differs beyond its tolerance: {name} (text {x.strip()[:40]!r} vs {y.strip()[:40]!r})"
+        if i % 2 == 1 and not _close(_float(x), _float(y), tol["rel"], tol["abs"]):
+            return f"differs beyond its tolerance: {name} ({x} vs {y}; rel {tol['rel']:g}, abs {tol['abs']:g})"
+    return None
+
+def _plain(text: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"-{3,}", "---", text))
+
+def _float(number: str) -> float:
+    return float(number.replace(",", "").replace("−", "-"))
+
+def _close(x: float, y: float, rel: float, abs_: float) -> bool:
+    return x == y or (x != x and y != y) or abs(x - y) <= abs_ + rel * max(abs(x), abs(y))
 
 # %% ../../nbs/90_report.ipynb #3d9d233c
 UPSTREAM = {"compliance": "04a_pipeline"}  # folder of the report root → the chapter that writes it (08+ read it)
@@ -258,4 +333,4 @@ def check_report(s: ReportSettings, only: list[str] | None = None) -> list[str]:
         reuse_upstream(s.out_dir, fresh.out_dir, only or s.chapters)  # a partial rerun reads what the full run read
         run_report(fresh, only)
         rerun = json.loads((fresh.out_dir / "manifest.json").read_text())
-    return compare_manifests(committed, rerun, only or s.chapters)
+        return compare_manifests(committed, rerun, only or s.chapters, dirs=(s.out_dir, fresh.out_dir))
