@@ -15,7 +15,7 @@ export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv report report-check test test-slow check-sync bench bench-gpu lint data tokenizers toxicity-heads clean
+.PHONY: venv report report-check pages test test-slow chromium check-sync bench bench-gpu lint data tokenizers toxicity-heads clean
 
 # The environment: rebuilt only when pyproject.toml changes (the stamp records the install).
 $(VENV)/.stamp: pyproject.toml
@@ -31,6 +31,10 @@ report: venv
 	-$(MAKE) --no-print-directory tokenizers
 	$(BIN)/openpretrain report $(if $(PRESET),--preset $(PRESET))
 
+# Re-render pages/, index.html and the claims ledger of an existing outputs/<preset>/ without running a chapter.
+pages: venv
+	$(BIN)/openpretrain report --pages $(if $(PRESET),--preset $(PRESET))
+
 # Rerun the report into a scratch folder and compare every table and figure with the committed manifest (exit 1 on a
 # difference, naming the files): two runs of one commit must agree bit for bit.
 report-check: venv
@@ -42,10 +46,15 @@ test: venv
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 2 --durations=10
 
 # The slow robots test compares with protego 0.6 itself: its wheel is fetched once (from the package registry).
-test-slow: venv
+# The browser test screenshots the rendered report with Debian's chromium (build/test-artifacts/screenshots/).
+test-slow: venv chromium
 	test -f .cache/wheels/protego-0.6.2-py3-none-any.whl || $(BIN)/pip download -q protego==0.6.2 --no-deps -d .cache/wheels
 	OPENPRETRAIN_OUTPUTS=$$(mktemp -d) $(BIN)/nbdev-test --flags slow --n-workers 2
 	$(BIN)/pytest -q -m slow
+
+# Headless Chromium for the slow browser test of the rendered report, from Debian when it is not on PATH.
+chromium:
+	command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 
 # CI: the notebooks are the source of lib/, so exporting and cleaning them must change nothing.
 check-sync: venv

@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 
 from .core import ConfigError, list_presets, load_preset, outputs_root
+from .pages import render_report
 from .report import ChapterFailed, check_report, read_settings, run_report
 
 # %% auto #0
@@ -23,7 +24,12 @@ def _report(args) -> int:
     s = read_settings(args.settings)
     s = replace(s, **{k: v for k, v in dict(preset=args.preset, outputs=args.outputs, seed=args.seed,
                                                device=args.device).items() if v is not None})
+    if args.pages and (args.check or args.only):
+        raise ConfigError("--pages re-renders an existing output folder: it takes neither --check nor --only")
     try:
+        if args.pages:
+            print(f"report: {render_report(s.out_dir)}")
+            return 0
         if args.check:
             differences = check_report(s, only=args.only)
             print("\n".join(differences) or f"report check: every table and figure equals {s.out_dir}/manifest.json")
@@ -32,7 +38,8 @@ def _report(args) -> int:
     except ChapterFailed as e:
         print(f"openpretrain report: {e}", file=sys.stderr)
         return 1
-    print(f"report: {len(times)} chapters in {sum(times.values()):.0f} s → {s.out_dir / 'index.html'}")
+    print(f"report: {len(times)} chapters in {sum(times.values()):.0f} s")
+    print(f"report: {render_report(s.out_dir)}")  # the last line: the index a reader opens
     return 0
 
 def _compliance(args) -> int:
@@ -70,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--settings", help="settings file (default: the project's settings.ini)")
     r.add_argument("--check", action="store_true",
                    help="rerun into a temporary folder and compare tables and figures with the committed manifest")
+    r.add_argument("--pages", action="store_true",
+                   help="only re-render pages/, index.html and the claims ledger of an existing output folder")
     r.set_defaults(run=_report)
     c = sub.add_parser("compliance", help="robots → toxicity → PII over the preset's corpus (datatrove)")
     c.add_argument("--preset", default="tiny", help="preset name or path to a preset YAML file")

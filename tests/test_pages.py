@@ -1,0 +1,264 @@
+"""The report as readers meet it: chapter pages, the claims ledger, the index, and links that all resolve offline."""
+import base64
+import contextlib
+import csv
+import io
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import nbformat
+import numpy as np
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from openpretrain.__main__ import main
+from openpretrain.core import VERDICTS, ConfigError, project_root
+from openpretrain.pages import render_report
+from openpretrain.report import ReportSettings, write_index
+
+COMMITTED = project_root() / "outputs" / "tiny"
+SCREENSHOTS = project_root() / "build" / "test-artifacts" / "screenshots"
+BLUE = (30, 60, 200)  # the fixture figure's colour, found again in the browser's screenshot
+
+
+def png(size=(600, 300)) -> str:
+    "A solid blue PNG, base64 — a figure a screenshot can find."
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", size, BLUE).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def table(path: Path, rows: list[tuple]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["quantity", "paper", "ours", "why they differ", "verdict", "rule"])
+        w.writerows(rows)
+    path.with_suffix(".md").write_text("| table |\n")
+
+
+def chapters() -> dict[str, list]:
+    figure = new_output("display_data", data={"image/png": png(), "text/plain": "<Figure size 600x300>"})
+    return {
+        "03_demo": [
+            new_code_cell("#| default_exp demo"),
+            new_markdown_cell("# 03 · A demo chapter\n\n> Reads nothing;\n> writes one table.\n\n"
+                              "**Claim (§3).** Demo claims *hold* at every scale.\n\nThe rest of the chapter."),
+            new_code_cell("preset = 'tiny'\nseed = 0", metadata={"tags": ["parameters"]}),
+            new_code_cell("# Parameters\npreset = 'tiny'\n", metadata={"tags": ["injected-parameters"]}),
+            new_code_cell("#| export\nfig = plot()", outputs=[figure]),
+            new_markdown_cell("## Paper vs ours\n\nThe closing table."),
+            new_code_cell('art.table(paper_vs_ours([...]), "paper-vs-ours")')],
+        "12_probe": [
+            new_markdown_cell("# 12 · A probe chapter\n\nProbes measure what the paper says."),
+            new_markdown_cell("## Results"), new_code_cell("x = 1"),
+            new_markdown_cell("### Timings"), new_code_cell('art.table(t, "paper-vs-ours-timings")'),
+            new_markdown_cell("## Results"), new_code_cell('art.table(paper_vs_ours(rows), "paper-vs-ours")')],
+    }
+
+
+@pytest.fixture
+def report(tmp_path) -> Path:
+    "An output folder as the runner leaves it: two executed notebooks, three paper-vs-ours tables, a manifest."
+    out = tmp_path / "tiny"
+    for name, cells in chapters().items():
+        (out / "notebooks").mkdir(parents=True, exist_ok=True)
+        nbformat.write(new_notebook(cells=cells), out / "notebooks" / f"{name}.ipynb")
+    table(out / "tables" / "03_demo-paper-vs-ours.csv", [
+        ("vocabulary", "131,072", "8,192", "tiny preset", "by construction", "set"),
+        ("loss | gap", "0.06", "0.07", "", "reproduces", "|Δ| ≤ 0.1")])
+    table(out / "tables" / "12_probe-paper-vs-ours.csv", [("ROUGE-L", "0.18", "0.3", "small", "same direction, weaker", "r")])
+    table(out / "tables" / "12_probe-paper-vs-ours-timings.csv", [("tok/s", "100", "3", "CPU", "not comparable", "n")])
+    (out / "figures").mkdir()
+    (out / "figures" / "03_demo-bars.png").write_bytes(base64.b64decode(png((20, 10))))
+    (out / "figures" / "03_demo-bars.svg").write_text("<svg xmlns='http://www.w3.org/2000/svg'/>")
+    write_index(ReportSettings(preset="tiny", outputs=str(tmp_path), chapters=list(chapters())),
+                {"03_demo": 2.5, "12_probe": 7.25}, {"commit": "c0ffee" * 6 + "abcd", "tracked_changes": []})
+    (tmp_path / "gpu-1").mkdir()                      # a sibling preset with a rendered report
+    for f in ("manifest.json", "index.html"):
+        (tmp_path / "gpu-1" / f).write_text("{}")
+    (tmp_path / "scratch").mkdir()                    # not a preset: no manifest
+    return out
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_ledger_holds_every_row_of_every_paper_vs_ours_table_with_a_link(report):
+    render_report(report)
+    rows = read_csv(report / "claims.csv")
+    assert [(r["chapter"], r["quantity"], r["verdict"]) for r in rows] == [
+        ("03_demo", "vocabulary", "by construction"), ("03_demo", "loss | gap", "reproduces"),
+        ("12_probe", "ROUGE-L", "same direction, weaker"), ("12_probe", "tok/s", "not comparable")]
+    assert list(rows[0]) == ["chapter", "quantity", "paper", "ours", "why they differ", "verdict", "rule", "link"]
+    nb = nbformat.read(report / "notebooks" / "12_probe.ipynb", as_version=4)
+    assert [r["link"] for r in rows] == [
+        "pages/03_demo.html#Paper-vs-ours", "pages/03_demo.html#Paper-vs-ours",
+        f"pages/12_probe.html#cell-id={nb.cells[5].id}",  # "Results" twice on the page: the heading's own cell
+        "pages/12_probe.html#Timings"]
+    md = (report / "claims.md").read_text()
+    assert "4 claims — reproduces: 1 · same direction, weaker: 1 · does not reproduce at this scale: 0" in md
+    assert "loss \\| gap" in md and md.count("\n| 03_demo |") == 2
+
+
+def test_the_index_opens_with_the_ledger_and_its_counts_then_the_parts(report):
+    page = render_report(report).read_text()
+    at = [page.index(s) for s in ("id='claims'", "4 claims:", "<table class='ledger'", "id='chapters'",
+                                  "id='part-data'", "id='part-evaluation'", "id='run'")]
+    assert at == sorted(at)
+    counts = page[page.index("4 claims:"):page.index("<table class='ledger'")]
+    assert [v for v in VERDICTS if f">{v}</span> " in counts] == list(VERDICTS)  # every verdict, in order, zeros too
+    assert "<strong>Claim (§3).</strong> Demo claims <em>hold</em> at every scale." in page  # the chapter's own words
+    assert "The rest of the chapter" not in page and "Reads nothing" not in page
+    assert "Data · 03" in page and "Evaluation · 12" in page and "2.5 s" in page and "7.2 s" in page
+    assert "<a href='../gpu-1/index.html'>gpu-1</a>, <b>tiny</b></p>" in page and "scratch" not in page
+    for f in ("manifest.json", "timings.csv", "claims.csv", "claims.md"):
+        assert f"href='{f}'" in page and (report / f).is_file()
+
+
+def test_a_chapter_page_is_self_contained_with_folded_code_and_a_run_header(report):
+    render_report(report)
+    page = (report / "pages" / "03_demo.html").read_text()
+    assert "src=\"data:image/png;base64," in page and "<script" not in page and "<link" not in page
+    assert page.count("<details") == 5 and page.count("<details class=\"input\" open") == 2  # the parameters
+    assert "<summary>fig = plot()</summary>" in page and "<summary>parameters of this run</summary>" in page
+    assert "<summary>#| default_exp demo</summary>" in page and "In&nbsp;[" not in page  # no prompts
+    assert "href='../index.html'" in page and "c0ffeec0ffee</code> · 2.5 s" in page
+    assert "<a href='../figures/03_demo-bars.png'>03_demo-bars.png</a> · <a href='../figures/03_demo-bars.svg'>svg" in page
+    assert "<a href='../tables/03_demo-paper-vs-ours.csv'>03_demo-paper-vs-ours.csv</a> · <a href" in page
+
+
+def test_rendering_twice_writes_the_same_bytes_and_drops_stale_pages(report):
+    (report / "pages").mkdir()
+    (report / "pages" / "99_gone.html").write_text("old")
+    render_report(report)
+    files = sorted([*report.glob("*.html"), *report.glob("claims.*"), *(report / "pages").glob("*")])
+    first = {p: p.read_bytes() for p in files}
+    render_report(report)
+    assert {p: p.read_bytes() for p in files} == first
+    assert sorted(p.name for p in (report / "pages").iterdir()) == ["03_demo.html", "12_probe.html"]
+
+
+def test_a_table_without_a_verdict_is_an_error_naming_the_file(report):
+    old = report / "tables" / "05_old-paper-vs-ours.csv"
+    old.write_text("quantity,paper,ours,why they differ\nx,1,2,y\n")
+    with pytest.raises(ConfigError, match="05_old-paper-vs-ours.csv: a paper-vs-ours table needs the columns"):
+        render_report(report)
+    table(old, [("x", "1", "2", "y", "holds", "r")])
+    with pytest.raises(ConfigError, match=r"05_old-paper-vs-ours.csv: rows without a verdict .*\['x'\]"):
+        render_report(report)
+
+
+def test_the_cli_renders_an_existing_folder_and_prints_the_index_last(report):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["report", "--pages", "--outputs", str(report.parent), "--preset", "tiny"]) == 0
+    assert out.getvalue().splitlines()[-1] == f"report: {report / 'index.html'}"
+    assert main(["report", "--pages", "--outputs", str(report.parent / "nothing-here")]) == 2
+
+
+class Links(HTMLParser):
+    "Every id and every href/src of a page."
+    def __init__(self, path: Path):
+        super().__init__()
+        self.ids, self.refs = set(), []
+        self.feed(path.read_text(encoding="utf-8"))
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.ids |= {a["id"]} if a.get("id") else set()
+        self.refs += [a[k] for k in ("href", "src") if a.get(k) is not None]
+
+
+def broken_links(out: Path) -> list[str]:
+    "Every href/src of index.html and pages/*.html that is not inline data nor a file (and #id) inside `out`."
+    out, problems, parsed = out.resolve(), [], {}
+    pages = [out / "index.html", *sorted((out / "pages").glob("*.html"))]
+    links = lambda p: parsed.setdefault(p, Links(p))
+    for page in pages:
+        for ref in links(page).refs:
+            url, where = urlsplit(ref), f"{page.relative_to(out)}: {ref[:80]}"
+            if url.scheme == "data":
+                continue
+            if url.scheme or url.netloc or url.path.startswith("/"):
+                problems.append(f"{where}: not a relative link")
+                continue
+            target = (page.parent / unquote(url.path)).resolve() if url.path else page
+            sibling = (page == out / "index.html" and target.name == "index.html" and target.parent.parent == out.parent
+                       and (target.parent / "manifest.json").is_file())  # another preset's report
+            if not (target.is_relative_to(out) or sibling):
+                problems.append(f"{where}: outside the output folder")
+            elif not target.is_file():
+                problems.append(f"{where}: no such file")
+            elif url.fragment and target.suffix == ".html" and not sibling and url.fragment not in links(target).ids:
+                problems.append(f"{where}: no id {url.fragment!r} in {target.name}")
+    return problems
+
+
+def test_every_link_of_the_rendered_fixture_resolves_inside_the_folder(report):
+    render_report(report)
+    assert broken_links(report) == []
+    (report / "pages" / "03_demo.html").write_text(
+        "<a href='https://example.org/x'>a</a><img src='/etc/x.png'><a href='../../x.html'>b</a>"
+        "<a href='12_probe.html#nope'>c</a><a href='missing.html'>d</a><img src='data:image/png;base64,AA=='>")
+    assert [p.split(": ")[-1] for p in broken_links(report) if p.startswith("pages/03_demo.html:")] == [
+        "not a relative link", "not a relative link", "outside the output folder", "no id 'nope' in 12_probe.html",
+        "no such file"]
+
+
+@pytest.mark.skipif(not (COMMITTED / "pages").is_dir(), reason="outputs/tiny has no rendered pages yet")
+def test_every_link_of_the_committed_report_resolves_inside_the_folder():
+    assert broken_links(COMMITTED) == []
+
+
+def screenshot(page: Path, name: str, tmp_path: Path) -> Path:
+    "A 1280×2000 headless-Chromium screenshot of `page`, kept under build/test-artifacts/screenshots/."
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not on PATH: `make chromium` installs Debian's")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--user-data-dir={tmp_path / 'chromium'}", f"--screenshot={shot}", "--window-size=1280,2000",
+                    page.resolve().as_uri()], check=True, capture_output=True, timeout=120)
+    return shot
+
+
+def ink(shot: Path, box: tuple[int, int, int, int]) -> float:
+    "The share of pixels in `box` (left, top, right, bottom) that are not white."
+    from PIL import Image
+    return float((np.asarray(Image.open(shot).convert("L").crop(box)) < 240).mean())
+
+
+def blue_pixels(shot: Path) -> int:
+    "How many pixels of the screenshot have the fixture figure's colour."
+    from PIL import Image
+    rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    return int((np.abs(rgb - np.array(BLUE)) < 30).all(axis=-1).sum())
+
+
+@pytest.mark.slow
+def test_a_browser_shows_the_ledger_and_the_figures(report, tmp_path):
+    render_report(report)
+    index = screenshot(report / "index.html", "fixture-index", tmp_path)
+    assert ink(index, (0, 80, 1280, 400)) > 0.03  # the ledger table under the title
+    demo = screenshot(report / "pages" / "03_demo.html", "fixture-03_demo", tmp_path)
+    assert blue_pixels(demo) > 0.8 * 600 * 300  # the figure, decoded from the page's inline base64
+    probe = screenshot(report / "pages" / "12_probe.html", "fixture-12_probe", tmp_path)
+    assert ink(probe, (0, 0, 1280, 300)) > 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (COMMITTED / "pages").is_dir(), reason="outputs/tiny has no rendered pages yet")
+def test_a_browser_shows_the_committed_report(tmp_path):
+    index = screenshot(COMMITTED / "index.html", "tiny-index", tmp_path)
+    assert ink(index, (0, 80, 1280, 1200)) > 0.03
+    for chapter in ("05_tokenizers", "11a_ablation"):
+        shot = screenshot(COMMITTED / "pages" / f"{chapter}.html", f"tiny-{chapter}", tmp_path)
+        assert ink(shot, (0, 0, 1280, 2000)) > 0.02
