@@ -23,7 +23,7 @@ __all__ = ['parser', 'main']
 def _report(args) -> int:
     s = read_settings(args.settings)
     s = replace(s, **{k: v for k, v in dict(preset=args.preset, outputs=args.outputs, seed=args.seed,
-                                               device=args.device).items() if v is not None})
+                                               device=args.device, numerics=args.numerics).items() if v is not None})
     if args.pages and (args.check or args.only):
         raise ConfigError("--pages re-renders an existing output folder: it takes neither --check nor --only")
     try:
@@ -74,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--outputs", help="report root folder")
     r.add_argument("--seed", type=int)
     r.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    r.add_argument("--numerics", choices=["native", "portable"],
+                   help="portable: ATen, oneDNN and MKL pinned to AVX2 (and fp32), the same bits on any AVX2 CPU")
     r.add_argument("--settings", help="settings file (default: the project's settings.ini)")
     r.add_argument("--check", action="store_true",
                    help="rerun into a temporary folder and compare tables and figures with the committed manifest")
