@@ -337,7 +337,8 @@ def resolve_device(device: str = "auto") -> str:
     return device
 
 # %% ../../nbs/00_core.ipynb #b4911222
-NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OMP_NUM_THREADS")
+NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "OPENBLAS_CORETYPE",
+                "OMP_NUM_THREADS")  # the pins that change which kernels run (bench_numerics.py)
 CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")  # what kernels branch on
 
 def numerics() -> dict:

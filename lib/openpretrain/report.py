@@ -85,8 +85,9 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
 
 # %% ../../nbs/90_report.ipynb #a5c56541
 NUMERICS = ("native", "portable")
-PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",  # ATen's and oneDNN's kernels
-                "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2"}        # MKL's, with its reproducible mode
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",  # ATen's (and inductor's), oneDNN's
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2",        # MKL's, in its reproducible mode
+                "OPENBLAS_CORETYPE": "Haswell"}                               # NumPy's OpenBLAS (the USE embedder)
 
 def chapter_env(s: ReportSettings) -> dict[str, str]:
     "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the pins."
@@ -164,6 +165,7 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
         print(f"report [{i + 1}/{len(todo)}] {chapter} (last run {last.get(chapter, 0):.0f} s; "
               f"about {eta / 60:.0f} min left by the last timings)", file=sys.stderr, flush=True)
         times[chapter] = run_chapter(chapter, s)
+        print(f"report [{i + 1}/{len(todo)}] {chapter} took {times[chapter]:.0f} s", file=sys.stderr, flush=True)
     write_index(s, times, state)
     return times
 
