@@ -162,8 +162,9 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
     todo, last = [c for c in s.chapters if not only or c in only], last_timings(s.out_dir)
     for i, chapter in enumerate(todo):
         eta = sum(last.get(c, 0.0) for c in todo[i:])
+        left = f"{eta / 60:.0f} min" if eta >= 120 else f"{eta:.0f} s"
         print(f"report [{i + 1}/{len(todo)}] {chapter} (last run {last.get(chapter, 0):.0f} s; "
-              f"about {eta / 60:.0f} min left by the last timings)", file=sys.stderr, flush=True)
+              f"about {left} left by the last timings)", file=sys.stderr, flush=True)
         times[chapter] = run_chapter(chapter, s)
         print(f"report [{i + 1}/{len(todo)}] {chapter} took {times[chapter]:.0f} s", file=sys.stderr, flush=True)
     write_index(s, times, state)
