@@ -12,6 +12,7 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import time
 
 import torch
@@ -23,8 +24,8 @@ from .plan import TrainConfig
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'measure_peak_flops', 'sync', 'cpu_multiplies_bf16', 'training_precision', 'autocast', 'keep_freed_memory',
-           'parallelize', 'gradient_sync', 'device_of', 'all_sum', 'unwrap']
+__all__ = ['log', 'ONEDNN_WITHOUT_BF16', 'measure_peak_flops', 'sync', 'cpu_multiplies_bf16', 'training_precision', 'autocast',
+           'keep_freed_memory', 'parallelize', 'gradient_sync', 'device_of', 'all_sum', 'unwrap']
 
 # %% ../../../nbs/10c_parallel.ipynb #9f05446e
 @functools.cache   # once per process: a worker that trains many short runs measures once
@@ -45,16 +46,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 # %% ../../../nbs/10c_parallel.ipynb #5316a148
+ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
 def cpu_multiplies_bf16() -> bool:
-    "This CPU has bf16 dot products in hardware (AVX512-BF16; AMX CPUs have it too) and ATen may use AVX-512."
+    "This CPU has bf16 dot products (AVX512-BF16; AMX CPUs too) and oneDNN, which runs them, is not pinned below."
     hardware = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return hardware and torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # not pinned (portable numerics)
+    return hardware and os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ONEDNN_WITHOUT_BF16
 
 def training_precision(precision: str, cuda: bool) -> str:
     "What a run asking for `precision` (bf16 | fp32) trains in: bf16 on GPUs and on CPUs with bf16 arithmetic."
     if precision == "bf16" and not (cuda or cpu_multiplies_bf16()):
-        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16), or ATen is pinned "
-                  "below AVX-512 (ATEN_CPU_CAPABILITY, portable numerics): training in fp32")
+        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16), or oneDNN is pinned "
+                  "below it (ONEDNN_MAX_CPU_ISA, portable numerics): training in fp32")
         return "fp32"
     return precision
 
