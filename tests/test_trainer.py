@@ -523,16 +523,18 @@ def test_bf16_falls_back_to_fp32_on_a_cpu_without_bf16_arithmetic(monkeypatch, c
     assert parallel.training_precision("bf16", cuda=False) == "bf16"
 
 
-def test_a_onednn_pin_below_bf16_trains_fp32_and_an_aten_pin_alone_does_not(monkeypatch):
+def test_an_aten_or_onednn_pin_below_bf16_trains_fp32(monkeypatch):
     from openpretrain.training import parallel
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)     # as on this project's CPU
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert parallel.cpu_multiplies_bf16()                                         # ATen's kernels, not the products
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert parallel.cpu_multiplies_bf16()
     for isa in ("AVX2", "avx512_core"):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
         assert not parallel.cpu_multiplies_bf16()                                 # portable numerics: fp32
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert parallel.cpu_multiplies_bf16()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert not parallel.cpu_multiplies_bf16()                                     # its bf16 packing needs AVX-512
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -49,15 +49,16 @@ def sync(device: torch.device) -> None:
 ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 def cpu_multiplies_bf16() -> bool:
-    "This CPU has bf16 dot products (AVX512-BF16; AMX CPUs too) and oneDNN, which runs them, is not pinned below."
+    "This CPU has bf16 dot products (AVX512-BF16; AMX CPUs too), and neither ATen nor oneDNN is pinned below them."
     hardware = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return hardware and os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ONEDNN_WITHOUT_BF16
+    aten = torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # ATen's bf16 packing needs AVX-512
+    return hardware and aten and os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ONEDNN_WITHOUT_BF16
 
 def training_precision(precision: str, cuda: bool) -> str:
     "What a run asking for `precision` (bf16 | fp32) trains in: bf16 on GPUs and on CPUs with bf16 arithmetic."
     if precision == "bf16" and not (cuda or cpu_multiplies_bf16()):
-        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16), or oneDNN is pinned "
-                  "below it (ONEDNN_MAX_CPU_ISA, portable numerics): training in fp32")
+        _log_once("precision: bf16 asked for, but this CPU has no bf16 arithmetic (AVX512-BF16), or ATen or oneDNN is "
+                  "pinned below it (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; portable numerics): training in fp32")
         return "fp32"
     return precision
 
