@@ -458,3 +458,17 @@ def test_the_report_prints_a_progress_line_with_an_eta_from_the_last_timings(tmp
     run_report(s, only=["00_core", "01_corpus"])
     err = capsys.readouterr().err
     assert "report [1/2] 00_core (last run 120 s; about 3 min left" in err and "[2/2] 01_corpus" in err
+
+
+@pytest.mark.parametrize("text", ['{"rel": 1e-3', '{"rel": -1, "abs": 0}', '[1, 2]', '{"rel": "x", "abs": 0}', ""])
+def test_a_damaged_tolerance_file_fails_the_check_in_one_line_naming_it(tmp_path, text):
+    a, b = ROW.format(loss="7.70213", verdict="reproduces"), ROW.format(loss="7.70214", verdict="reproduces")
+    _two_runs(tmp_path, a, a)  # lay out the folders, then damage the committed side's tolerance
+    (tmp_path / "old/tables/11_train-paper-vs-ours.tolerance.json").write_text(text)
+    (tmp_path / "new/tables/11_train-paper-vs-ours.csv").write_text(b)
+    committed = {"artifacts": [dict(path="tables/11_train-paper-vs-ours.csv", kind="tables", chapter="11_train",
+                                    sha256="a")], "runs": {"11_train": {"numerics": {"aten": "AVX512"}}}}
+    fresh = dict(committed, artifacts=[dict(committed["artifacts"][0], sha256="b")],
+                 runs={"11_train": {"numerics": {"aten": "AVX2"}}})
+    with pytest.raises(ConfigError, match="11_train-paper-vs-ours.tolerance.json: not a tolerance"):
+        compare_manifests(committed, fresh, dirs=(tmp_path / "old", tmp_path / "new"))

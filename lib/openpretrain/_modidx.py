@@ -972,6 +972,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'openpretrain.report.last_timings': ('report.html#last_timings', 'openpretrain/report.py'),
                                      'openpretrain.report.machine_numerics': ('report.html#machine_numerics', 'openpretrain/report.py'),
                                      'openpretrain.report.read_settings': ('report.html#read_settings', 'openpretrain/report.py'),
+                                     'openpretrain.report.read_tolerance': ('report.html#read_tolerance', 'openpretrain/report.py'),
                                      'openpretrain.report.reuse_upstream': ('report.html#reuse_upstream', 'openpretrain/report.py'),
                                      'openpretrain.report.run_chapter': ('report.html#run_chapter', 'openpretrain/report.py'),
                                      'openpretrain.report.run_report': ('report.html#run_report', 'openpretrain/report.py'),

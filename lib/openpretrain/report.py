@@ -28,8 +28,8 @@ from .core import ConfigError, list_presets, project_root, sha256_file
 __all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
            'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
            'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'last_timings', 'git_state',
-           'collect_artifacts', 'write_index', 'compare_manifests', 'within_tolerance', 'reuse_upstream',
-           'check_report', 'say_numerics']
+           'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance', 'within_tolerance',
+           'reuse_upstream', 'check_report', 'say_numerics']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -247,8 +247,17 @@ def _difference(path: str, committed: dict, fresh: dict, dirs: tuple[Path, Path]
     tol = dirs[0] / re.sub(r"\.(csv|md)$", ".tolerance.json", path)
     if not tol.is_file():
         return f"differs on other numerics, and its chapter declares no tolerance: {path}"
-    return within_tolerance((dirs[0] / path).read_text(), (dirs[1] / path).read_text(), json.loads(tol.read_text()),
-                            path)
+    return within_tolerance((dirs[0] / path).read_text(), (dirs[1] / path).read_text(), read_tolerance(tol), path)
+
+def read_tolerance(path: Path) -> dict:
+    "A chapter's declared tolerance {rel, abs, why}; a damaged or hand-edited file is an error naming it."
+    try:
+        tol = json.loads(path.read_text())
+        if isinstance(tol, dict) and all(isinstance(tol.get(k), (int, float)) and tol[k] >= 0 for k in ("rel", "abs")):
+            return tol
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    raise ConfigError(f"{path}: not a tolerance (a JSON object with rel and abs >= 0, as Artifacts.table writes)")
 
 # %% ../../nbs/90_report.ipynb #aab4e689
 NUMBER = re.compile(r"([-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|\bnan\b|\binf\b)")
