@@ -8,6 +8,7 @@ on first use)."""
 # %% ../../../nbs/10b_plan.ipynb #ca5c3dcd
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..core import ConfigError, Preset, load_preset, to_dict
@@ -16,13 +17,13 @@ from ..models.registry import ModelConfig, context_limit, model_config
 from ..tokenization import TokenizerConfig, load_tokenizer
 from .checkpoint import FORMATS
 from .curriculum import Curriculum, load_curriculum
-from .data import DataConfig, TokenLoader, token_pools
+from .data import Batch, DataConfig, TokenLoader, token_pools
 from .goldfish import GoldfishConfig
 from .optim import OptimConfig, Schedule
 
 # %% auto #0
 __all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections', 'check_data_budget', 'fingerprint',
-           'token_loader']
+           'token_loader', 'served_batches']
 
 # %% ../../../nbs/10b_plan.ipynb #107d5713
 @dataclass(kw_only=True)
@@ -150,3 +151,11 @@ def token_loader(pl: Plan, tokenizer, rank: int = 0, world_size: int = 1, label_
     pools = token_pools(pl.curriculum, pl.data, pl.tokenizer, pl.preset.name)
     return TokenLoader(pl.curriculum, pools, pl.data.seq_len, pl.train.micro_batch, tokenizer.bos_id,
                        tokenizer.eos_id, rank, world_size, pl.preset.seed, label_mask)
+
+# %% ../../../nbs/10b_plan.ipynb #5d74d66b
+def served_batches(pl: Plan, tokenizer, loader_factory=token_loader) -> Iterator[Batch]:
+    "Every micro-batch a one-process run of `pl` is served, in order (no Goldfish mask): its reference lines' data."
+    loader = loader_factory(pl, tokenizer, 0, 1, None)                  # the trainer's loader_factory signature
+    for step in range(pl.steps):
+        for _ in range(pl.accumulation(step)):
+            yield loader.next_batch()
