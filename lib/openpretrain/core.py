@@ -415,10 +415,14 @@ class Tolerance:
     rel: float = 0.0  # relative tolerance of every number in the table
     abs: float = 0.0  # absolute tolerance, for numbers near zero
     why: str = ""     # what makes this table's numbers depend on the machine
+    columns: dict = field(default_factory=dict)  # column → (rel, abs) of its own, in a table that mixes
+                                                 # kinds of number (counts of probes beside mean scores)
 
     def __post_init__(self):
-        if not (self.rel >= 0 and self.abs >= 0 and self.rel + self.abs > 0 and self.why):
-            raise ValueError(f"a tolerance needs rel or abs > 0 (neither negative) and a reason, got {self}")
+        pairs = [(self.rel, self.abs), *self.columns.values()]
+        if not (all(len(p) == 2 and min(p) >= 0 and sum(p) > 0 for p in pairs) and self.why):
+            raise ValueError(f"a tolerance needs rel or abs > 0 (neither negative), for the table and each of its "
+                             f"columns, and a reason, got {self}")
 
 # %% ../../nbs/00_core.ipynb #6af6e909
 @patch_to(Artifacts)

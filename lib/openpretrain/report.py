@@ -9,7 +9,9 @@ and checks a rerun against the committed manifest."""
 from __future__ import annotations
 
 import configparser
+import csv
 import datetime as dt
+import io
 import json
 import os
 import re
@@ -29,7 +31,7 @@ __all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFA
            'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
            'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'last_timings', 'git_state',
            'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance', 'within_tolerance',
-           'reuse_upstream', 'check_report', 'say_numerics']
+           'columns_within_tolerance', 'loosest', 'reuse_upstream', 'check_report', 'say_numerics']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -247,13 +249,18 @@ def _difference(path: str, committed: dict, fresh: dict, dirs: tuple[Path, Path]
     tol = dirs[0] / re.sub(r"\.(csv|md)$", ".tolerance.json", path)
     if not tol.is_file():
         return f"differs on other numerics, and its chapter declares no tolerance: {path}"
-    return within_tolerance((dirs[0] / path).read_text(), (dirs[1] / path).read_text(), read_tolerance(tol), path)
+    texts, tolerance = [(d / path).read_text() for d in dirs], read_tolerance(tol)
+    if path.endswith(".csv") and tolerance.get("columns"):
+        return columns_within_tolerance(*texts, tolerance, path)
+    return within_tolerance(*texts, loosest(tolerance), path)
 
 def read_tolerance(path: Path) -> dict:
-    "A chapter's declared tolerance {rel, abs, why}; a damaged or hand-edited file is an error naming it."
+    "A chapter's declared tolerance {rel, abs, why, columns}; a damaged or hand-edited file is an error naming it."
+    pair = lambda p: isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and x >= 0 for x in p)
     try:
         tol = json.loads(path.read_text())
-        if isinstance(tol, dict) and all(isinstance(tol.get(k), (int, float)) and tol[k] >= 0 for k in ("rel", "abs")):
+        if (isinstance(tol, dict) and pair([tol.get("rel"), tol.get("abs")])
+                and isinstance(tol.get("columns", {}), dict) and all(map(pair, tol.get("columns", {}).values()))):
             return tol
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         pass
@@ -273,6 +280,23 @@ def within_tolerance(committed: str, fresh: str, tol: dict, name: str = "table")
         if i % 2 == 1 and not _close(_float(x), _float(y), tol["rel"], tol["abs"] + max(_unit(x), _unit(y))):
             return f"differs beyond its tolerance: {name} ({x} vs {y}; rel {tol['rel']:g}, abs {tol['abs']:g})"
     return None
+
+def columns_within_tolerance(committed: str, fresh: str, tol: dict, name: str = "table") -> str | None:
+    "A CSV compared cell by cell, each under its column's tolerance (else the table's); the header must be equal."
+    a, b = (list(csv.reader(io.StringIO(t))) for t in (committed, fresh))
+    if a[:1] != b[:1] or len(a) != len(b):
+        return f"differs beyond its tolerance: {name} (another header or number of rows)"
+    for row_a, row_b in zip(a[1:], b[1:]):
+        for column, x, y in zip(a[0], row_a, row_b):
+            rel, abs_ = tol.get("columns", {}).get(column, (tol["rel"], tol["abs"]))
+            if line := within_tolerance(x, y, {"rel": rel, "abs": abs_}, f"{name}, column {column!r}"):
+                return line
+    return None
+
+def loosest(tol: dict) -> dict:
+    "The widest (rel, abs) of a table and its columns: the Markdown twin of a CSV checked column by column."
+    pairs = [(tol["rel"], tol["abs"]), *tol.get("columns", {}).values()]
+    return {"rel": max(p[0] for p in pairs), "abs": max(p[1] for p in pairs)}
 
 def _plain(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"-{3,}", "---", text))
