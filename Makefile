@@ -38,6 +38,7 @@ pages: venv
 # Rerun the report into a scratch folder and compare every table and figure with the committed manifest (exit 1 on a
 # difference, naming the files): two runs of one commit must agree bit for bit.
 report-check: venv
+	-$(MAKE) --no-print-directory tokenizers
 	$(BIN)/openpretrain report --check $(if $(PRESET),--preset $(PRESET))
 
 # Notebook tests write their artifacts to a scratch folder, never over the committed outputs/tiny.
