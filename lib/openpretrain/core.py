@@ -441,7 +441,8 @@ def table(self, df, name: str, floatfmt: str = ".4g", tolerance: Tolerance | Non
     df.to_csv(csv, index=False)
     csv.with_suffix(".md").write_text(df.to_markdown(index=False, floatfmt=floatfmt) + "\n")
     if tolerance is not None:
-        csv.with_suffix(".tolerance.json").write_text(json.dumps(dataclasses.asdict(tolerance)) + "\n")
+        tol = {k: v for k, v in dataclasses.asdict(tolerance).items() if k != "columns" or v}  # columns only if any
+        csv.with_suffix(".tolerance.json").write_text(json.dumps(tol) + "\n")
     return df
 
 @patch_to(Artifacts)
