@@ -980,6 +980,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'openpretrain.report.run_chapter': ('report.html#run_chapter', 'openpretrain/report.py'),
                                      'openpretrain.report.run_report': ('report.html#run_report', 'openpretrain/report.py'),
                                      'openpretrain.report.say_numerics': ('report.html#say_numerics', 'openpretrain/report.py'),
+                                     'openpretrain.report.with_upstream': ('report.html#with_upstream', 'openpretrain/report.py'),
                                      'openpretrain.report.within_tolerance': ('report.html#within_tolerance', 'openpretrain/report.py'),
                                      'openpretrain.report.write_index': ('report.html#write_index', 'openpretrain/report.py')},
             'openpretrain.tokenization': { 'openpretrain.tokenization.HFTokenizer': ( 'tokenizers.html#hftokenizer',

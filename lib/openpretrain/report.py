@@ -29,7 +29,7 @@ from .core import ConfigError, list_presets, project_root, sha256_file
 # %% auto #0
 __all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
            'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
-           'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'last_timings', 'git_state',
+           'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'with_upstream', 'last_timings', 'git_state',
            'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance', 'within_tolerance',
            'columns_within_tolerance', 'loosest', 'reuse_upstream', 'check_report', 'say_numerics']
 
@@ -161,7 +161,7 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
         raise ConfigError(f"--only: unknown chapters {unknown}; chapters: {', '.join(s.chapters)}")
     _check_writable(s.out_dir)
     state, times = dict(git_state(), numerics=machine_numerics(s)), {}
-    todo, last = [c for c in s.chapters if not only or c in only], last_timings(s.out_dir)
+    todo, last = with_upstream(s, [c for c in s.chapters if not only or c in only]), last_timings(s.out_dir)
     for i, chapter in enumerate(todo):
         eta = sum(last.get(c, 0.0) for c in todo[i:])
         left = f"{eta / 60:.0f} min" if eta >= 120 else f"{eta:.0f} s"
@@ -171,6 +171,15 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
         print(f"report [{i + 1}/{len(todo)}] {chapter} took {times[chapter]:.0f} s", file=sys.stderr, flush=True)
     write_index(s, times, state)
     return times
+
+def with_upstream(s: ReportSettings, todo: list[str]) -> list[str]:
+    "`todo` and, before it, the writer of every upstream folder a later chapter of it reads that the outputs lack."
+    need = {w: f for f, w in UPSTREAM.items()
+            if w in s.chapters and w not in todo and not (s.out_dir / f).is_dir() and any(c > w for c in todo)}
+    for writer, folder in need.items():  # else `input: auto` silently reads the embedded corpus instead
+        print(f"report: {s.out_dir / folder} is missing and later chapters read it: {writer} runs first",
+              file=sys.stderr, flush=True)
+    return [c for c in s.chapters if c in todo or c in need]
 
 def last_timings(out: Path) -> dict[str, float]:
     "Seconds per chapter of the last run into `out` (timings.csv), or of the committed report; {} if neither."
