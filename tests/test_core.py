@@ -460,7 +460,19 @@ def test_the_report_prints_a_progress_line_with_an_eta_from_the_last_timings(tmp
     assert "report [1/2] 00_core (last run 120 s; about 3 min left" in err and "[2/2] 01_corpus" in err
 
 
-@pytest.mark.parametrize("text", ['{"rel": 1e-3', '{"rel": -1, "abs": 0}', '[1, 2]', '{"rel": "x", "abs": 0}', ""])
+def test_a_column_may_carry_its_own_tolerance_and_a_truncated_table_fails(tmp_path):
+    a = ROW.format(loss="7.70213", verdict="reproduces")
+    loose_ours = dict(TOL, columns={"ours": [0, 0.1]})                     # ours may move 0.1; the rule keeps 1e-3
+    assert _two_runs(tmp_path / "1", a, ROW.format(loss="7.75", verdict="reproduces"), loose_ours) == [
+        "differs beyond its tolerance: tables/11_train-paper-vs-ours.csv, column 'rule' (7.70213 vs 7.75; rel 0.001, abs 0)"]
+    assert _two_runs(tmp_path / "2", a, a.replace("gap 7.70213", "gap 7.7022"), loose_ours) == []
+    assert _two_runs(tmp_path / "3", a, a.splitlines()[0] + "\n", loose_ours) == [
+        "differs beyond its tolerance: tables/11_train-paper-vs-ours.csv (another header or number of rows)"]
+
+
+@pytest.mark.parametrize("text", ['{"rel": 1e-3', '{"rel": -1, "abs": 0}', '[1, 2]', '{"rel": "x", "abs": 0}', "",
+                                  '{"rel": 0, "abs": 1, "columns": {"loss": [1]}}', '{"rel": 0, "abs": 1, "columns": [1, 2]}',
+                                  '{"rel": 0, "abs": 1, "columns": {"loss": [-1, 0]}}'])
 def test_a_damaged_tolerance_file_fails_the_check_in_one_line_naming_it(tmp_path, text):
     a, b = ROW.format(loss="7.70213", verdict="reproduces"), ROW.format(loss="7.70214", verdict="reproduces")
     _two_runs(tmp_path, a, a)  # lay out the folders, then damage the committed side's tolerance
