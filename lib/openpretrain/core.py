@@ -186,6 +186,7 @@ SECTIONS = (
     "goldfish",        # 09: Goldfish loss masks
     "optim",           # 10: AdEMAMix / AdamW and the WSD schedule
     "train",           # 11: the training loop
+    "long_context",    # 11b: context extension stages
     "memorization",    # 12: verbatim memorisation probes
     "evaluation",      # 13: lm-evaluation-harness
     "serving",         # 14: decode throughput

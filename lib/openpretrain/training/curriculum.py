@@ -39,6 +39,7 @@ class SourceSpec:
     effective: float | None = None  # published effective tokens = raw × epochs
     share: float | None = None      # published share of the stage's effective tokens (fraction)
     weight: float | None = None     # share of the stage's rows; None → effective (or raw) / stage total
+    bucket: list[int] | None = None  # [lo, hi): document length in tokens, BoD and EoD counted (Apertus: one per long-context stage, 4–8k … 32–64k; Soofi: nine, 4K–1M); embedded sources keep only those documents
 
 # %% ../../../nbs/07b_curriculum.ipynb #c9eaf2a6
 @dataclass(kw_only=True)
@@ -53,6 +54,10 @@ class StageSpec:
     discarded_iterations: int = 0   # steps run on this mixture after `iterations`, checkpoints unused, not in `tokens` (Soofi phase 2: 11,920)
     seq_len: int | None = None      # a separate run at its own row length (Soofi phase 3: 1,048,576); None = the main run
     pool: float | None = None       # published effective pool of the stage (Soofi Table 3)
+    rope_theta: float | None = None # long context: the RoPE base the model runs at from this stage on (Apertus: 1M, 2M, 4M, 12M); None = unchanged
+    lr: float | None = None         # long context: constant learning rate after the warm-up (Apertus: the final cooldown lr, 1.1e-5 for 8B; Soofi: 1e-5)
+    warmup: float = 0               # long context: linear warm-up from 0 (curriculum unit; Apertus: 1.2B tokens per stage; Soofi: 100 iterations)
+    doc_mask: bool = True           # attention and positions restart at each document (Apertus: yes; Soofi phase 3: no intra-document masking)
     sources: list[SourceSpec] = field(default_factory=list)
 
 @dataclass(kw_only=True)
@@ -109,6 +114,7 @@ def validate(c: Curriculum) -> Curriculum:
         where = f"{c.name}.stages[{i}] ({st.name})"
         _check_budget(st, where, c.stages[i - 1] if i else None, c.unit)
         _check_sources(st, where, seen)
+    _check_long_context(c)
     counted = sum(counted_tokens(c, st) for st in c.stages)
     if c.total is not None and not _close(c.total * UNITS[c.unit], counted):
         raise ConfigError(f"{c.name}.total = {c.total:g} {c.unit} but its stages count {counted:,} tokens")
@@ -150,6 +156,27 @@ def _check_iterations(st: StageSpec, where: str, unit: str) -> None:
         raise ConfigError(f"{where}.tokens_per_iteration {st.tokens_per_iteration:,} is no whole number of "
                           f"rows of seq_len {st.seq_len:,}")
 
+# %% ../../../nbs/07b_curriculum.ipynb #e70340fd
+def _check_long_context(c: Curriculum) -> None:
+    "Separate runs grow in length, θ never decreases along them, and each stage's lr and warm-up are usable."
+    runs = [(i, st) for i, st in enumerate(c.stages) if st.seq_len is not None]
+    for (i, st), (_, prev) in zip(runs[1:], runs):
+        if st.seq_len <= prev.seq_len:
+            raise ConfigError(f"{c.name}.stages[{i}] ({st.name}).seq_len {st.seq_len:,}: a later long-context stage "
+                              f"must be longer than {prev.name}'s {prev.seq_len:,}")
+    thetas = [(i, st) for i, st in runs if st.rope_theta is not None]
+    for (i, st), (_, prev) in zip(thetas[1:], thetas):
+        if st.rope_theta < prev.rope_theta:
+            raise ConfigError(f"{c.name}.stages[{i}] ({st.name}).rope_theta {st.rope_theta:g} is below {prev.name}'s "
+                              f"{prev.rope_theta:g}: θ may only grow as the context does")
+    for i, st in enumerate(c.stages):
+        where = f"{c.name}.stages[{i}] ({st.name})"
+        for knob in ("rope_theta", "lr"):
+            if (v := getattr(st, knob)) is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{where}.{knob} must be a positive number, got {v}")
+        if not 0 <= st.warmup < st.tokens:
+            raise ConfigError(f"{where}.warmup {st.warmup:g} must lie in [0, tokens {st.tokens:g})")
+
 # %% ../../../nbs/07b_curriculum.ipynb #48257bb9
 def _check_source(s: SourceSpec, sw: str, seen: dict) -> None:
     if s.raw is not None and s.epochs is not None and s.effective is not None \
@@ -157,6 +184,10 @@ def _check_source(s: SourceSpec, sw: str, seen: dict) -> None:
         raise ConfigError(f"{sw}.effective = {s.effective} but raw × epochs = {s.raw * s.epochs:g}")
     if s.dataset != "embedded" and (s.select or s.max_documents):
         raise ConfigError(f"{sw}.select/max_documents apply to embedded sources only (dataset {s.dataset!r})")
+    if s.bucket is not None and (len(s.bucket) != 2 or not 0 <= s.bucket[0] < s.bucket[1]):
+        raise ConfigError(f"{sw}.bucket must be [lo, hi) token lengths with 0 ≤ lo < hi, got {s.bucket}")
+    if s.bucket is not None and s.max_documents is not None:
+        raise ConfigError(f"{sw}: max_documents counts documents before their length is known; a bucket takes none")
     if s.dataset == "embedded" and not s.select:
         raise ConfigError(f"{sw}.select: an embedded source needs a column selection, e.g. {{source: [udhr]}}")
     if s.name in seen and pool_identity(seen[s.name]) != pool_identity(s):
@@ -164,7 +195,7 @@ def _check_source(s: SourceSpec, sw: str, seen: dict) -> None:
     seen[s.name] = s
 
 def pool_identity(s: SourceSpec) -> tuple:
-    return (s.dataset, s.subset, json.dumps(s.select, sort_keys=True), s.max_documents)
+    return (s.dataset, s.subset, json.dumps(s.select, sort_keys=True), s.max_documents, s.bucket)
 
 # %% ../../../nbs/07b_curriculum.ipynb #7fc06b9c
 def _check_sources(st: StageSpec, where: str, seen: dict) -> None:

@@ -110,9 +110,10 @@ def _write(self: TokenizeSources, pending: list, tok, files: dict) -> None:
         return
     with self.track_time(unit="batch"):
         encoded = tok.encode_batch([d.text for d, _ in pending])
+    buckets = {s.name: s.bucket for s in self.sources if s.bucket}
     for (_, targets), ids in zip(pending, encoded):
         row = [tok.bos_id, *ids, tok.eos_id]
-        for t in targets:
+        for t in (t for t in targets if t not in buckets or buckets[t][0] <= len(row) < buckets[t][1]):
             files[t].write(row, None)
             self.stat_update(t, value=len(row), unit="tokens")
 
