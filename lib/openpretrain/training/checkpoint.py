@@ -34,7 +34,7 @@ __all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'w
            'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'checkpoint_format',
            'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded', 'save_checkpoint',
            'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint', 'load_model',
-           'consolidated_weights', 'export_hf']
+           'consolidated_weights', 'load_weights', 'export_hf']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -399,6 +399,15 @@ def consolidated_weights(model: nn.Module, checkpoint: Path, fmt: str) -> dict[s
     state = {"model": model.state_dict()}              # plain tensors to fill from every rank's shards
     dcp.load(state, storage_reader=SafeReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
     return state["model"]
+
+def load_weights(model: nn.Module, config, checkpoint: str | os.PathLike) -> Path:
+    "Fill `model` (plain, DDP or FSDP2, of `config`) with the weights of a verified checkpoint of any run whose tensors fit."
+    path = Path(checkpoint)
+    fmt = verify_checkpoint(path)["format"]
+    plain = build_model(config, device="cpu")                      # names, shapes and dtypes to check and fill
+    check_tensors(path, fmt, plain)
+    set_model_state_dict(model, consolidated_weights(plain, path, fmt), options=StateDictOptions(full_state_dict=True))
+    return path
 
 def export_hf(config, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     "Save a checkpoint of the model of `config` as a transformers model folder (`from_pretrained` loads it)."

@@ -34,7 +34,8 @@ from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_
 from ..models import registry
 from ..tokenization import load_tokenizer
 from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, checkpoints,
-                                              latest_valid_checkpoint, prune_checkpoints, restore_state, save_checkpoint)
+                                              latest_valid_checkpoint, load_weights, prune_checkpoints, restore_state,
+                                              save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
 from .parallel import (all_sum, autocast, device_of, gradient_sync, keep_freed_memory,
@@ -272,7 +273,8 @@ def check_fresh(out: Path) -> None:
 
 # %% ../../../nbs/11_train.ipynb #f7f4dda7
 @contextlib.contextmanager
-def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, loader_factory=token_loader):
+def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, loader_factory=token_loader,
+              init: str | os.PathLike | None = None):
     "A run of `pl` — its folder locked, model, optimizer and loader built, resumed if asked — for the block's duration."
     from accelerate import Accelerator
     cuda = resolve_device(pl.preset.device).startswith("cuda")
@@ -289,6 +291,8 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
         run = build_run(pl, out, accelerator, loader_factory)
         if resume:
             resume_run(run)
+        if init is not None and run.step == 0:   # a later stage starts from an earlier run's weights, not at random
+            load_weights(run.model, pl.model, init)
         run.out.mkdir(parents=True, exist_ok=True)
         if accelerator.is_main_process:
             run.log = MetricsLog(run.out / "metrics.jsonl", run.step, pl.train.tensorboard)
@@ -318,9 +322,9 @@ def resume_run(run: Run) -> None:
 
 # %% ../../../nbs/11_train.ipynb #47b688b9
 def train(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, *,
-          objective: Objective = PRETRAINING, loader_factory=token_loader) -> Path:
-    "Train the plan's model under `objective` (its curriculum, or `loader_factory`'s batches); returns metrics.jsonl's path."
-    with start_run(pl, out_dir, resume, loader_factory) as run:
+          objective: Objective = PRETRAINING, loader_factory=token_loader, init: str | os.PathLike | None = None) -> Path:
+    "Train the plan's model under `objective` (on its curriculum or `loader_factory`'s batches; from `init`'s weights if given)."
+    with start_run(pl, out_dir, resume, loader_factory, init) as run:
         train_loop(run, objective)
     return run.out / "metrics.jsonl"
 
