@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from openpretrain.core import ConfigError, load_preset
 from openpretrain.models import registry
@@ -288,6 +289,17 @@ def test_keeping_freed_memory_changes_no_metric(tmp_path):
     timings = {"tokens_per_s", "mfu"}
     rows = lambda path: [{k: v for k, v in r.items() if k not in timings} for r in read_metrics(path)]
     assert rows(run(preset, tmp_path / "tuned", 4)) == rows(tmp_path / "untuned" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_activation_checkpointing_changes_no_metric_and_no_checkpoint_name(tmp_path, arch):
+    timings = {"tokens_per_s", "mfu"}
+    rows = lambda path: [{k: v for k, v in r.items() if k not in timings} for r in read_metrics(path)]
+    plain = run(write_preset(tmp_path, arch=arch), tmp_path / "plain", 4)
+    recomputed = run(write_preset(tmp_path, "r", arch=arch, activation_checkpointing=True), tmp_path / "recomputed", 4)
+    assert rows(recomputed) == rows(plain)
+    names = lambda out: load_file(latest_valid_checkpoint(out / "checkpoints") / "model.safetensors").keys()
+    assert names(tmp_path / "recomputed") == names(tmp_path / "plain")
 
 
 def test_resume_keeps_metric_rows_through_its_step_and_drops_a_cut_line(tmp_path):

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['log', 'ONEDNN_WITHOUT_BF16', 'measure_peak_flops', 'sync', 'cpu_multiplies_bf16', 'training_precision', 'autocast',
-           'keep_freed_memory', 'parallelize', 'gradient_sync', 'device_of', 'all_sum', 'unwrap']
+           'keep_freed_memory', 'parallelize', 'checkpoint_blocks', 'gradient_sync', 'device_of', 'all_sum', 'unwrap']
 
 # %% ../../../nbs/10c_parallel.ipynb #9f05446e
 @functools.cache   # once per process: a worker that trains many short runs measures once
@@ -82,7 +82,9 @@ def keep_freed_memory() -> bool:
 
 # %% ../../../nbs/10c_parallel.ipynb #1015bb16
 def parallelize(model: nn.Module, train: TrainConfig, accelerator, precision: str = "fp32") -> nn.Module:
-    "Several processes: DDP through accelerate, or FSDP2 — `fully_shard` on every block, then on the root."
+    "Activation checkpointing if asked; then, with several processes, DDP through accelerate or FSDP2 on every block."
+    if train.activation_checkpointing:
+        checkpoint_blocks(model)
     if accelerator.num_processes == 1:
         return model
     if train.parallel == "ddp":
@@ -95,6 +97,14 @@ def parallelize(model: nn.Module, train: TrainConfig, accelerator, precision: st
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+# %% ../../../nbs/10c_parallel.ipynb #165d8023
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    "Recompute every block's activations in the backward instead of keeping them (torch.utils.checkpoint, non-reentrant)."
+    from torch.utils.checkpoint import checkpoint
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
 
 # %% ../../../nbs/10c_parallel.ipynb #f75b2ee5
 def gradient_sync(model: nn.Module, accelerator, on: bool):

@@ -32,6 +32,7 @@ class TrainConfig:
     precision: str = "bf16"          # bf16 autocast over fp32 weights | fp32 (Soofi S: bf16); fp32 on CPUs without bf16 arithmetic
     parallel: str = "fsdp2"          # ddp | fsdp2 (torch fully_shard) across processes (Soofi S: DP + EP 8 + sharded optimizer)
     compile: bool = False            # torch.compile each block (bench_dense/bench_hybrid --compile measure where it pays)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward: memory for ~1/3 more compute (long-context stages; bench_long_context)
     checkpoint_every: int = 1000     # optimizer steps between checkpoints (not published)
     checkpoint_format: str = "auto"  # full (rank 0 gathers) | sharded (each rank its DCP shard) | auto: sharded under FSDP2, >1 process
     keep_last: int = 3               # rolling checkpoints kept besides the milestones
