@@ -12,7 +12,7 @@ import yaml
 
 from openpretrain.core import ConfigError, Preset, load_preset
 from openpretrain.models.common import document_positions
-from openpretrain.models.registry import build_model, model_config, to_hf
+from openpretrain.models.registry import build_model, to_hf
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.checkpoint import latest_valid_checkpoint
 from openpretrain.training.curriculum import load_curriculum
@@ -87,7 +87,7 @@ def test_a_length_above_the_models_context_without_a_larger_theta_is_refused(tmp
 def test_a_stage_changes_length_theta_lr_and_batch_and_nothing_else(tmp_path):
     path = write_curriculum(tmp_path, [stage("a", 128, 3, [64, 128], rope_theta=2e4, warmup=256)])
     p = preset_with(path)
-    (st, pl), main = stage_plans(p)[0], plan(p)
+    (_, pl), main = stage_plans(p)[0], plan(p)
     assert (pl.data.seq_len, pl.model.max_seq_len, pl.model.rope_theta) == (128, 128, 2e4)
     assert pl.schedule.batch_size_at(0) == 2 and pl.steps == 3
     assert [round(pl.schedule.lr_at(s), 6) for s in range(3)] == [0.0, 1e-3, 1e-3]   # warm-up of one step, constant
@@ -119,7 +119,7 @@ def test_every_document_of_a_bucket_has_its_length_and_no_document_is_in_two_sta
 
 
 def test_a_bucket_with_too_few_documents_for_its_budget_is_refused_naming_it(bucketed):
-    (st, pl, loader), _ = bucketed[0][0], bucketed[1]
+    st, _, loader = bucketed[0][0]
     check_no_repeat(loader)                                                  # 4 steps fit
     source = st.sources[0].name
     small = {source: TokenPool(source, loader.pools[source].tokens[:500], loader.pools[source].ends[:1])}
@@ -132,7 +132,7 @@ def test_a_bucket_with_too_few_documents_for_its_budget_is_refused_naming_it(buc
 
 
 def test_positions_restart_at_each_document_with_the_mask_and_run_along_the_row_without(bucketed):
-    (_, pl, loader), _ = bucketed[0][0], bucketed[1]
+    _, pl, loader = bucketed[0][0]
     masked = token_loader(pl, load_tokenizer("bpe-bal-2k"))
     whole = WholeRows(token_loader(pl, load_tokenizer("bpe-bal-2k")))
     a, b = masked.next_batch(), whole.next_batch()

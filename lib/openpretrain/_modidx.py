@@ -1436,6 +1436,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                            'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.position_losses': ( 'long_context.html#position_losses',
                                                                                                             'openpretrain/training/long_context.py'),
+                                                    'openpretrain.training.long_context.pretrain_and_extend': ( 'long_context.html#pretrain_and_extend',
+                                                                                                                'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.stage_loader': ( 'long_context.html#stage_loader',
                                                                                                          'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.stage_plans': ( 'long_context.html#stage_plans',

@@ -31,8 +31,8 @@ from .trainer import train
 
 # %% auto #0
 __all__ = ['INTRO', 'NEEDLE', 'QUESTION', 'LongContextConfig', 'long_stages', 'stage_preset', 'stage_plans', 'WholeRows',
-           'check_no_repeat', 'stage_loader', 'extend', 'long_rows', 'position_losses', 'PasskeyItem', 'passkey_item',
-           'passkey_items', 'passkey_scores']
+           'check_no_repeat', 'stage_loader', 'extend', 'pretrain_and_extend', 'long_rows', 'position_losses',
+           'PasskeyItem', 'passkey_item', 'passkey_items', 'passkey_scores']
 
 # %% ../../../nbs/11b_long_context.ipynb #090f8a98
 @dataclass(kw_only=True)
@@ -136,6 +136,17 @@ def extend(p: Preset, init: str | os.PathLike, out: str | os.PathLike, keep_thet
         train(pl, folder, resume=True, loader_factory=stage_loader, init=init)
         init = latest_valid_checkpoint(folder / "checkpoints", fingerprint(pl))
         finals.append(init)
+    return finals
+
+# %% ../../../nbs/11b_long_context.ipynb #7b43fb76
+def pretrain_and_extend(p: Preset, out: str | os.PathLike, arms: dict[str, bool]) -> dict[str, Path]:
+    "Pretrain `p` into out/base, then extend it once per arm (folder name → hold θ); every run's final checkpoint."
+    out, pl = Path(out), plan(p)
+    train(pl, out / "base", resume=True)
+    finals = {"base": latest_valid_checkpoint(out / "base" / "checkpoints", fingerprint(pl))}
+    for arm, keep in arms.items():
+        stages = stage_plans(p, keep)
+        finals |= {f"{arm}/{st.name}": c for (st, _), c in zip(stages, extend(p, finals["base"], out / arm, keep))}
     return finals
 
 # %% ../../../nbs/11b_long_context.ipynb #eba6d156
