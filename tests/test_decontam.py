@@ -1,0 +1,113 @@
+"""Decontamination: our rule against a literal transcription of the public script (with and without its
+off-by-one), the exact pruning bound, the turns a conversation is checked by, and the datatrove filter."""
+import gzip
+import json
+import random
+
+import pytest
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
+
+import decontam_reference as ref
+from openpretrain.compliance.pipeline import FailClosed
+from openpretrain.core import ConfigError
+from openpretrain.corpus import load_embedded
+from openpretrain.posttrain.decontam import (BenchmarkIndex, DecontaminationConfig, DecontaminationFilter,
+                                             benchmark_index, conversation_match, encode, match, matched_tokens, ngrams)
+from openpretrain.tokenization import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("bpe-bal-8k")
+
+
+@pytest.fixture(scope="module")
+def real_case(tok):
+    "Benchmark prompts (held-out sentences) and training texts: copies, partial copies, edited copies, unrelated."
+    rng = random.Random(0)
+    texts = sorted(t for t in load_embedded("train").filter(lambda r: r["source"] == "fortunes")["text"] if 80 < len(t) < 600)
+    bench, other = texts[:60], texts[60:260]
+    train = []
+    for b in bench:
+        words = b.split()
+        train += [b, " ".join(words[: len(words) // 2]), rng.choice(other) + " " + b,
+                  " ".join(w if rng.random() > 0.15 else "xyzzy" for w in words)]
+    train += other
+    return bench, train
+
+
+def test_the_references_ngrams_drop_the_last_one_and_ours_keep_it():
+    nine, eight = list(range(9)), list(range(8))
+    assert len(ref.get_ngrams(nine, 8)) == 1 and len(ngrams(nine, 8)) == 2
+    assert len(ref.get_ngrams(eight, 8)) == 0 and len(ngrams(eight, 8)) == 1      # a short prompt can never match there
+
+
+def decisions(bench, train, tok):
+    "Ours on texts: the matched benchmark index per training text, the index, and the training tokens."
+    config = DecontaminationConfig(turns="first-user")
+    index = benchmark_index(dict(enumerate(bench)), tok, config)
+    tokens = [encode(tok, t, config) for t in train]
+    return [m.benchmark if (m := match(index, t)) else None for t in tokens], index, tokens
+
+
+def test_decisions_equal_the_transcription_with_the_off_by_one_fixed(real_case, tok, monkeypatch):
+    bench, train = real_case
+    ours, index, tokens = decisions(bench, train, tok)
+    monkeypatch.setattr(ref, "get_ngrams", lambda tokens, n: set(zip(*[tokens[i:] for i in range(n)])))   # cosmopedia's
+    theirs = ref.decontaminate(tokens, index.tokens)
+    assert [o is not None for o in ours] == [t is not None for t in theirs]
+    assert sum(o is not None for o in ours) > len(bench)                         # copies are found, not all texts
+
+
+def test_decisions_equal_the_transcription_except_where_the_last_ngram_decides(real_case, tok):
+    bench, train = real_case
+    ours, index, tokens = decisions(bench, train, tok)
+    theirs = ref.decontaminate(tokens, index.tokens)
+    assert [o is not None for o in ours] == [t is not None for t in theirs]     # real prompts are longer than 8 tokens
+    short = index.tokens[0][:8]                                                  # a benchmark prompt of exactly 8 tokens
+    copy = short + tokens[-1][1:20]                                              # … copied at the start of a sample
+    assert match(BenchmarkIndex({"short": short}), copy) is not None
+    assert ref.decontaminate([copy], [short]) == [None]                          # the script finds no n-gram in it
+
+
+def test_the_common_token_bound_never_changes_a_decision():
+    rng = random.Random(1)
+    for _ in range(300):
+        bench = [[rng.randrange(20) for _ in range(rng.randrange(6, 40))] for _ in range(5)]
+        train = [x if rng.random() > 0.3 else rng.randrange(20) for x in (rng.choice(bench) if rng.random() < 0.5 else [])]
+        train += [rng.randrange(20) for _ in range(rng.randrange(0, 30))]
+        index = BenchmarkIndex(dict(enumerate(bench)), DecontaminationConfig(ngram=3))
+        candidates = sorted({i for g in ngrams(train, 3) for i in index.index.get(g, ())})
+        brute = {i: matched_tokens(train, bench[i], 5) / len(bench[i]) for i in candidates}   # difflib on every candidate
+        found = match(index, train)
+        reached = {i: r for i, r in brute.items() if r >= 0.5}
+        assert (found is None) == (not reached) and (found is None or found.ratio == max(reached.values()))
+
+
+def test_the_first_user_message_hides_copies_that_every_user_and_system_turn_shows(tok):
+    bench = {"b": "All human beings are born free and equal in dignity and rights, endowed with reason and conscience."}
+    later = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi."},
+             {"role": "user", "content": bench["b"]}]
+    assert conversation_match(benchmark_index(bench, tok), tok, later).turn == 1           # the second checked turn
+    assert conversation_match(benchmark_index(bench, tok, DecontaminationConfig(turns="first-user")), tok, later) is None
+    with pytest.raises(ConfigError, match="first-user"):
+        DecontaminationConfig(turns="assistant")
+
+
+def test_the_filter_removes_records_and_fails_closed_on_a_document_without_turns(tmp_path, tok):
+    bench = {"b": "All human beings are born free and equal in dignity and rights, endowed with reason and conscience."}
+    docs = [{"id": "copy", "text": "a copy", "metadata": {"messages": [{"role": "user", "content": "Translate: " + bench["b"]}]}},
+            {"id": "clean", "text": "a clean one", "metadata": {"messages": [{"role": "user", "content": "What is a fortune cookie?"}]}},
+            {"id": "broken", "text": "no turns", "metadata": {"messages": "not a list"}}]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    step = DecontaminationFilter(benchmark_index(bench, tok), tok, exclusion_writer=JsonlWriter(str(tmp_path / "removed")))
+    LocalPipelineExecutor([JsonlReader(str(tmp_path / "in")), FailClosed(step, JsonlWriter(str(tmp_path / "errors"))),
+                           JsonlWriter(str(tmp_path / "kept"))], tasks=2, workers=2, logging_dir=str(tmp_path / "logs")).run()
+    read = lambda d: {r["id"]: r["metadata"] for p in (tmp_path / d).glob("*.jsonl.gz") for r in map(json.loads, gzip.open(p, "rt"))}
+    kept, removed, errors = read("kept"), read("removed"), read("errors")
+    assert set(kept) == {"clean"} and set(removed) == {"copy"} and set(errors) == {"broken"}
+    assert removed["copy"]["decontamination_benchmark"] == "b" and removed["copy"]["decontamination_ratio"] > 0.9
+    assert kept["clean"]["decontamination_decision"] == "kept"
