@@ -48,7 +48,8 @@ def decide(c: Component) -> Decision:
     if c.opted_out:
         return Decision(False, "its source opted out of AI training (robots.txt)")
     if not c.licence:
-        return Decision(False, "no licence stated: unknown is never included")
+        said = f"stated as '{c.stated}', which names no SPDX licence" if c.stated else "no licence stated"
+        return Decision(False, f"{said}: unknown is never included")
     if c.licence in PERMISSIVE:
         return Decision(True, f"{c.licence} allows redistribution and commercial use")
     if "-NC" in c.licence:
