@@ -16,7 +16,7 @@ from openpretrain.models.registry import build_model, to_hf
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.checkpoint import latest_valid_checkpoint
 from openpretrain.training.curriculum import load_curriculum
-from openpretrain.training.data import TokenPool
+from openpretrain.training.data import Batch, TokenPool
 from openpretrain.training.long_context import WholeRows, check_no_repeat, stage_loader, stage_plans
 from openpretrain.training.plan import fingerprint, plan, token_loader
 from openpretrain.training.trainer import read_metrics, train
@@ -135,7 +135,9 @@ def test_positions_restart_at_each_document_with_the_mask_and_run_along_the_row_
     _, pl, loader = bucketed[0][0]
     masked = token_loader(pl, load_tokenizer("bpe-bal-2k"))
     whole = WholeRows(token_loader(pl, load_tokenizer("bpe-bal-2k")))
-    a, b = masked.next_batch(), whole.next_batch()
+    served = [(masked.next_batch(), whole.next_batch()) for _ in range(4)]     # every row of the stage's 4 steps
+    a, b = (Batch(*(torch.cat([getattr(x[i], f) for x in served]) for f in ("input_ids", "labels", "loss_mask", "doc_ids")))
+            for i in (0, 1))
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     bod = a.input_ids == loader.bod
     assert (document_positions(a.doc_ids)[bod] == 0).all() and bod[:, 1:].any()      # restart at each later BoD
