@@ -89,7 +89,10 @@ def benchmark_index(prompts: dict[str, str], tokenizer, config: DecontaminationC
 def match(index: BenchmarkIndex, tokens: list[int]) -> Match | None:
     "The benchmark prompt `tokens` cover most, among those whose matched blocks reach the threshold; None if none."
     c = index.config
-    candidates = sorted({i for gram in ngrams(tokens, c.ngram) for i in index.index.get(gram, ())})
+    shared = ngrams(tokens, c.ngram) & index.index.keys()          # one C-level set intersection, as the reference
+    if not shared:
+        return None
+    candidates = sorted({i for gram in shared for i in index.index[gram]})
     counts, best = Counter(tokens), None
     for i in candidates:
         bench = index.tokens[i]
