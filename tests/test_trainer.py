@@ -570,3 +570,18 @@ def test_bf16_autocast_trains_the_same_curve_as_fp32_within_a_hundredth(tmp_path
               for q in ("fp32", "bf16")}
     assert curves["fp32"] != curves["bf16"]                              # bf16 did run
     assert max(abs(a - b) for a, b in zip(*curves.values())) < 1e-2
+
+
+def test_a_run_resumed_with_another_start_checkpoint_is_refused_in_one_line(tmp_path):
+    preset = write_preset(tmp_path)
+    run(preset, tmp_path / "a", 2)
+    run(preset, tmp_path / "b", 4)
+    start_a = latest_valid_checkpoint(tmp_path / "a" / "checkpoints")
+    start_b = next(c for c in checkpoints(tmp_path / "b" / "checkpoints") if c.name.endswith("2"))
+    run(preset, tmp_path / "stage", 2, init=start_a)                              # started from a, stopped at step 2
+    assert json.loads((tmp_path / "stage" / "init.json").read_text())["init"] == str(start_a.resolve())
+    with pytest.raises(CheckpointError, match="started from .*a/checkpoints.*, not from .*b/checkpoints"):
+        run(preset, tmp_path / "stage", 4, resume=True, init=start_b)
+    run(preset, tmp_path / "stage", 4, resume=True, init=start_a)                 # its own start resumes
+    with pytest.raises(CheckpointError, match="started from random weights"):
+        run(preset, tmp_path / "a", 4, resume=True, init=start_a)

@@ -1664,6 +1664,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.save': ( 'train.html#save',
                                                                                        'openpretrain/training/trainer.py'),
+                                               'openpretrain.training.trainer.start_from': ( 'train.html#start_from',
+                                                                                             'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.start_run': ( 'train.html#start_run',
                                                                                             'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.step_batches': ( 'train.html#step_batches',

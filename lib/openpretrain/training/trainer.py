@@ -27,7 +27,7 @@ from torch import Tensor, nn
 __all__ = ['PRETRAINING', 'STEP_KEYS', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError', 'train_step', 'kept_rows',
            'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants', 'step_batches', 'train_loop',
            'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh', 'start_run', 'build_run',
-           'resume_run', 'train', 'train_preset', 'main']
+           'start_from', 'resume_run', 'train', 'train_preset', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
@@ -291,9 +291,9 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
         run = build_run(pl, out, accelerator, loader_factory)
         if resume:
             resume_run(run)
-        if init is not None and run.step == 0:   # a later stage starts from an earlier run's weights, not at random
-            load_weights(run.model, pl.model, init)
         run.out.mkdir(parents=True, exist_ok=True)
+        if init is not None:
+            start_from(run, init)
         if accelerator.is_main_process:
             run.log = MetricsLog(run.out / "metrics.jsonl", run.step, pl.train.tensorboard)
             held.callback(run.log.close)
@@ -311,6 +311,19 @@ def build_run(pl: Plan, out: Path, accelerator, loader_factory) -> Run:
     return Run(pl, model, build_optimizer(model, pl.optim),
                loader_factory(pl, tokenizer, accelerator.process_index, accelerator.num_processes, drops),
                accelerator, out, hooks=[goldfish_share(drops)] if drops else [], precision=precision)
+
+def start_from(run: Run, init: str | os.PathLike) -> None:
+    "Step 0 loads `init`'s weights and records it; a resumed run must have started from that same checkpoint."
+    record, wanted = run.out / "init.json", str(Path(init).resolve())
+    if run.step == 0:
+        load_weights(run.model, run.plan.model, init)
+        if run.accelerator.is_main_process:
+            record.write_text(json.dumps({"init": wanted}))
+        return
+    started = json.loads(record.read_text())["init"] if record.is_file() else "random weights"
+    if started != wanted:
+        raise CheckpointError(f"--out {run.out} holds a run that started from {started}, not from {wanted}; "
+                              "resume it with its own start, or choose another folder")
 
 def resume_run(run: Run) -> None:
     "Restore the newest checkpoint of this run; refuse when checkpoints exist and none is intact and this run's."
