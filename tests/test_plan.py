@@ -69,3 +69,12 @@ def test_curricula_are_read_as_defensively_as_presets(tmp_path, text, problem):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ConfigError, match=f"c.yaml:[0-9]+: invalid YAML: {problem}"):
         load_curriculum(tmp_path / "c.yaml")
+
+
+def test_a_plan_without_a_curriculum_skips_the_budget_and_has_no_token_loader():
+    from openpretrain.tokenization import load_tokenizer
+    from openpretrain.training.plan import fingerprint, token_loader
+    pl = plan(tiny_with(data={"curriculum": None}))          # SFT: its loader brings the rows (chapter 16)
+    assert pl.curriculum is None and fingerprint(pl)["curriculum"] is None
+    with pytest.raises(ConfigError, match="data.curriculum is null"):
+        token_loader(pl, load_tokenizer(pl.tokenizer))

@@ -38,7 +38,7 @@ __all__ = ['DONE', 'DataConfig', 'input_documents', 'TokenizeSources', 'TokenCac
 # %% ../../../nbs/08_data.ipynb #fa17c6da
 @dataclass(kw_only=True)
 class DataConfig:
-    curriculum: str = "apertus-8b"  # configs/curricula/<name>.yaml (Apertus 8B: stages 1, 3, 4, 5)
+    curriculum: str | None = "apertus-8b"  # configs/curricula/<name>.yaml (Apertus 8B: stages 1, 3, 4, 5); None: the run's loader brings its own rows (SFT, ch. 16)
     seq_len: int = bounded(4096, 1)  # tokens per packed row (Apertus: 4,096; Soofi: 8,192)
     input: str = "auto"             # auto: compliance kept output if present, else embedded | embedded | a JSONL folder
     token_dir: str | None = None    # token files; None → <checkout>/.cache/tokens

@@ -57,7 +57,7 @@ class Plan:
     model: ModelConfig               # the config class the preset's model.arch names (registry, 07a)
     tokenizer: TokenizerConfig
     data: DataConfig
-    curriculum: Curriculum           # data.curriculum, loaded and validated
+    curriculum: Curriculum | None    # data.curriculum, loaded and validated; None: the loader_factory brings the rows (SFT)
     optim: OptimConfig
     goldfish: GoldfishConfig
     schedule: Schedule
@@ -80,9 +80,10 @@ def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1
     schedule = Schedule(optim, data.seq_len)
     steps = min(schedule.total_steps, max_steps or schedule.total_steps)
     check_batches(p.name, train, schedule, steps, world_size)
-    curriculum = load_curriculum(data.curriculum)
-    check_selections(p.name, curriculum, data)
-    check_data_budget(p.name, data, curriculum, schedule, steps)
+    curriculum = load_curriculum(data.curriculum) if data.curriculum else None
+    if curriculum is not None:                   # None: a later chapter's loader serves (and checks) the rows
+        check_selections(p.name, curriculum, data)
+        check_data_budget(p.name, data, curriculum, schedule, steps)
     return Plan(p, train, model, tok, data, curriculum, optim, goldfish, schedule, world_size, steps)
 
 # %% ../../../nbs/10b_plan.ipynb #a5ed77ac
@@ -143,12 +144,15 @@ def check_data_budget(name: str, data: DataConfig, curriculum: Curriculum, sched
 # %% ../../../nbs/10b_plan.ipynb #27732269
 def fingerprint(pl: Plan) -> dict:
     "What a checkpoint must share with the run that resumes it: model, curriculum, row length, seed, processes."
-    return {"model": to_dict(pl.model), "curriculum": pl.curriculum.name, "seq_len": pl.data.seq_len,
+    return {"model": to_dict(pl.model), "curriculum": pl.curriculum.name if pl.curriculum else None, "seq_len": pl.data.seq_len,
             "seed": pl.preset.seed, "world_size": pl.world_size}
 
 # %% ../../../nbs/10b_plan.ipynb #cc34ad80
 def token_loader(pl: Plan, tokenizer, rank: int = 0, world_size: int = 1, label_mask=None) -> TokenLoader:
     "This process's loader over the plan's curriculum, with `label_mask` (Goldfish) ANDed into every loss mask."
+    if pl.curriculum is None:
+        raise ConfigError(f"{pl.preset.name}: data.curriculum is null, so there are no token files to load; "
+                          "train it with the loader_factory that serves its rows")
     pools = token_pools(pl.curriculum, pl.data, pl.tokenizer, pl.preset.name)
     return TokenLoader(pl.curriculum, pools, pl.data.seq_len, pl.train.micro_batch, tokenizer.bos_id,
                        tokenizer.eos_id, rank, world_size, pl.preset.seed, label_mask)
