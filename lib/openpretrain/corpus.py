@@ -2,10 +2,11 @@
 
 # %% ../../nbs/01_corpus.ipynb #e766e43a
 """The embedded corpus at run time: loaders for the committed `data/` (documents in the FineWeb-2 schema, the
-aligned UDHR, the KJV memorisation probes, the January-2025 robots.txt snapshot) and for real FineWeb Parquet or
-hub datasets, the token and word counts, language and script identification, and the facts the robots.txt
-snapshot is read against (AI crawler names, the parser byte cap, registrable domains). Reads `data/` (or FineWeb);
-writes nothing — `openpretrain.tools.build` (01b, `make data`) writes `data/`."""
+aligned UDHR, the KJV memorisation probes, the January-2025 robots.txt snapshot, the German–Romansh Firefox
+strings) and for real FineWeb Parquet or hub datasets, the token and word counts, language and script
+identification, and the facts the robots.txt snapshot is read against (AI crawler names, the parser byte cap,
+registrable domains). Reads `data/` (or FineWeb); writes nothing — `openpretrain.tools.build` (01b, `make data`)
+writes `data/`."""
 from __future__ import annotations
 
 import functools
@@ -24,10 +25,11 @@ from .core import data_dir
 
 # %% auto #0
 __all__ = ['FINEWEB_COLUMNS', 'DOC_COLUMNS', 'SPLITS', 'DOC_SCHEMA', 'ROBOTS_FETCHED', 'UDHR_SCHEMA', 'PROBE_SCHEMA',
-           'ROBOTS_SCHEMA', 'CORPUS_FILES', 'BIBLE_BOOKS', 'VARIANT_FORMATS', 'FINEWEB_HUB', 'REPORT_AGENTS',
-           'AI_USER_AGENTS', 'MAX_ROBOTS_BYTES', 'count_tokens', 'count_words', 'corpus_files', 'load_embedded',
-           'column_values', 'load_udhr', 'load_probes', 'load_robots_snapshot', 'format_passage', 'load_fineweb',
-           'CorpusConfig', 'load_corpus', 'dominant_script', 'cld2_to_iso3', 'identify_language', 'registrable_domain']
+           'ROBOTS_SCHEMA', 'PARALLEL_SCHEMA', 'PARALLEL_SETS', 'CORPUS_FILES', 'BIBLE_BOOKS', 'VARIANT_FORMATS',
+           'FINEWEB_HUB', 'REPORT_AGENTS', 'AI_USER_AGENTS', 'MAX_ROBOTS_BYTES', 'count_tokens', 'count_words',
+           'corpus_files', 'load_embedded', 'column_values', 'load_udhr', 'load_probes', 'load_robots_snapshot',
+           'load_parallel', 'format_passage', 'load_fineweb', 'CorpusConfig', 'load_corpus', 'dominant_script',
+           'cld2_to_iso3', 'identify_language', 'registrable_domain']
 
 # %% ../../nbs/01_corpus.ipynb #eab95e8d
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "language", "language_score", "token_count")
@@ -74,9 +76,15 @@ ROBOTS_SCHEMA = pa.schema([
     ("http_status", pa.int32()), ("content_type", pa.string()), ("body", pa.binary()), ("fetched_at", pa.string()),
     ("fetch_error", pa.string()), ("profile", pa.string()),
 ])
+PARALLEL_SCHEMA = pa.schema([  # one aligned string: `id` is `file:message[.attribute]`, `attribute` "" for the value
+    ("id", pa.string()), ("file", pa.string()), ("message", pa.string()), ("attribute", pa.string()),
+    ("de", pa.string()), ("rm", pa.string()),
+])
+PARALLEL_SETS = ("firefox-de-rm",)  # the aligned translation tables, under data/parallel/
 CORPUS_FILES = {  # output name → relative path under data/
     "train": "corpus/train.parquet", "validation": "corpus/validation.parquet", "udhr": "udhr/udhr.parquet",
     "probes": "probes/kjv-probes.parquet", "robots": f"robots/robots-{ROBOTS_FETCHED}.parquet",
+    **{name: f"parallel/{name}.parquet" for name in PARALLEL_SETS},
 }
 
 # %% ../../nbs/01_corpus.ipynb #d1ad31fb
@@ -164,6 +172,13 @@ def load_robots_snapshot(root: str | os.PathLike | None = None):
     df = _read_checked(_existing(root, CORPUS_FILES["robots"]), ROBOTS_SCHEMA).to_pandas()
     df["http_status"] = df["http_status"].astype("Int64")
     return df
+
+# %% ../../nbs/01_corpus.ipynb #d7600e14
+def load_parallel(name: str = "firefox-de-rm", root: str | os.PathLike | None = None):
+    "An aligned translation table (`PARALLEL_SETS`) as a pandas DataFrame: `id, file, message, attribute, de, rm`."
+    if name not in PARALLEL_SETS:
+        raise ValueError(f"unknown parallel set '{name}'; sets: {', '.join(PARALLEL_SETS)}")
+    return _read_checked(_existing(root, CORPUS_FILES[name]), PARALLEL_SCHEMA).to_pandas()
 
 # %% ../../nbs/01_corpus.ipynb #ef739c5d
 BIBLE_BOOKS = (

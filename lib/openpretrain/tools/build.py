@@ -2,7 +2,8 @@
 
 # %% ../../../nbs/01b_build.ipynb #dd23ec6e
 """Builds `data/` (`make data`): pinned Debian/npm packages → FineWeb-2-schema documents on invented hosts, KJV
-memorisation probes, the synthetic January-2025 robots.txt snapshot of those hosts, and PROVENANCE.md.
+memorisation probes, the synthetic January-2025 robots.txt snapshot of those hosts, the German↔Romansh Firefox
+parallel set, and PROVENANCE.md.
 Reads `data/sources.yaml` and the apt and npm registries (into `.cache/sources/`); writes `data/` or the folder
 it is given."""
 from __future__ import annotations
@@ -28,18 +29,20 @@ import pyarrow.parquet as pq
 import yaml
 
 from ..core import data_dir, sha256_file
-from ..corpus import (AI_USER_AGENTS, BIBLE_BOOKS, CORPUS_FILES, DOC_SCHEMA, MAX_ROBOTS_BYTES, PROBE_SCHEMA,
-                                 ROBOTS_SCHEMA, SPLITS, UDHR_SCHEMA, VARIANT_FORMATS, cld2_to_iso3, count_tokens,
-                                 count_words, dominant_script, format_passage, identify_language, registrable_domain)
+from ..corpus import (AI_USER_AGENTS, BIBLE_BOOKS, CORPUS_FILES, DOC_SCHEMA, MAX_ROBOTS_BYTES,
+                                 PARALLEL_SCHEMA, PROBE_SCHEMA, ROBOTS_SCHEMA, SPLITS, UDHR_SCHEMA, VARIANT_FORMATS,
+                                 cld2_to_iso3, count_tokens, count_words, dominant_script, format_passage,
+                                 identify_language, registrable_domain)
 
 # %% auto #0
 __all__ = ['DEBREF_LANGS', 'MANPAGE_LANGS', 'SOURCES_FILE', 'CANONICAL_PASSAGES', 'HELD_OUT_ONE_IN', 'PROBE_VERSES', 'MIN_WORDS',
-           'FORTUNES_PER_PAGE', 'GROFF', 'SITES', 'DUMPS', 'VALIDATION_PERCENT', 'ROBOTS_PROFILES', 'ROBOTS_BY_HOST',
-           'FILES_USED', 'Source', 'pinned_sources', 'fetch_sources', 'RawDoc', 'read_kjv', 'kjv_documents',
-           'held_out_chapters', 'kjv_probes', 'read_debian_reference', 'read_fortunes', 'read_manpages', 'render_man',
-           'read_fluent', 'udhr_metadata', 'read_udhr', 'udhr_documents', 'site_origin', 'crawl_stamp',
-           'collect_documents', 'document_rows', 'RobotsProfile', 'robots_snapshot', 'robots_row', 'write_parquet',
-           'provenance_markdown', 'build_corpus']
+           'FORTUNES_PER_PAGE', 'GROFF', 'PARALLEL_PACKS', 'ENGLISH_PACK', 'SITES', 'DUMPS', 'VALIDATION_PERCENT',
+           'ROBOTS_PROFILES', 'ROBOTS_BY_HOST', 'FILES_USED', 'Source', 'pinned_sources', 'fetch_sources', 'RawDoc',
+           'read_kjv', 'kjv_documents', 'held_out_chapters', 'kjv_probes', 'read_debian_reference', 'read_fortunes',
+           'read_manpages', 'render_man', 'langpack_ftl', 'read_fluent', 'fluent_entries', 'plain_pattern',
+           'langpack_strings', 'parallel_rows', 'firefox_parallel', 'udhr_metadata', 'read_udhr', 'udhr_documents',
+           'site_origin', 'crawl_stamp', 'collect_documents', 'document_rows', 'RobotsProfile', 'robots_snapshot',
+           'robots_row', 'write_parquet', 'provenance_markdown', 'build_corpus']
 
 # %% ../../../nbs/01b_build.ipynb #8bf82853
 @dataclass(frozen=True)
@@ -329,11 +332,15 @@ def _fluent_lines(text: str, terms: dict[str, str]) -> list[str]:
     return out
 
 # %% ../../../nbs/01b_build.ipynb #f608b41d
+def langpack_ftl(root: Path, locale: str) -> dict[str, str]:
+    "Zip member name → text of every Fluent file of the unpacked Firefox language pack for `locale`, sorted by name."
+    xpi = next((root / "usr/lib/firefox-esr/browser/extensions").glob(f"langpack-{locale}@*.xpi"))
+    with zipfile.ZipFile(xpi) as z:
+        return {n: z.read(n).decode("utf-8") for n in sorted(z.namelist()) if n.endswith(".ftl")}
+
 def read_fluent(root: Path) -> list[RawDoc]:
     "One Romansh document per Fluent file of the Firefox language pack."
-    xpi = next((root / "usr/lib/firefox-esr/browser/extensions").glob("langpack-rm@*.xpi"))
-    with zipfile.ZipFile(xpi) as z:
-        files = {n: z.read(n).decode("utf-8") for n in sorted(z.namelist()) if n.endswith(".ftl")}
+    files = langpack_ftl(root, "rm")
     terms = dict(m.groups() for text in files.values()
                  for m in re.finditer(r"(?m)^(-[\w-]+) = (.+)$", text))
     docs = []
@@ -344,6 +351,70 @@ def read_fluent(root: Path) -> list[RawDoc]:
             docs.append(RawDoc("firefox-esr-l10n-rm", rel, "roh", "firefox-l10n",
                                "/" + rel.removesuffix(".ftl"), body))
     return docs
+
+# %% ../../../nbs/01b_build.ipynb #8acd8ef1
+PARALLEL_PACKS = {"de": "firefox-esr-l10n-de", "rm": "firefox-esr-l10n-rm"}  # side of the parallel set → its pack
+ENGLISH_PACK = ("en-GB", "firefox-esr-l10n-en-gb")  # the English pack: a Romansh string equal to it is untranslated
+_FTL_ENTRY = re.compile(r"^(-?[a-zA-Z][\w-]*)[ \t]*=[ \t]*(.*)$")      # a message (or -term) starts at column 0
+_FTL_ATTR = re.compile(r"^[ \t]+\.([a-zA-Z][\w-]*)[ \t]*=[ \t]*(.*)$")  # an indented `.attribute = …`
+_FTL_NON_TEXT = re.compile(r"(?i)key|style|width|height")  # attribute names of access keys, shortcuts, CSS
+_FTL_KEY_MESSAGE = re.compile(r"(?i)accesskey$")  # a message id that names an access key, not text
+_FTL_SIMPLE = re.compile(r"\{\s*(\$[a-zA-Z][\w-]*|-[a-zA-Z][\w-]*)\s*\}")  # { $var } or { -term }, no arguments
+
+def fluent_entries(text: str) -> dict[str, str]:
+    "`message` / `message.attribute` → its pattern (lines stripped, joined by newlines); no terms, no access keys."
+    entries, key = {}, None
+    for line in text.split("\n"):
+        if m := _FTL_ENTRY.match(line):
+            key = m.group(1)
+            entries[key] = [m.group(2)]
+        elif key is None or line[:1] not in (" ", "\t", ""):
+            key = None  # a comment (or junk) ends the entry
+        elif m := _FTL_ATTR.match(line):
+            key = f"{key.split('.')[0]}.{m.group(1)}"
+            entries[key] = [m.group(2)]
+        else:
+            entries[key].append(line.strip())
+    return {k: "\n".join(lines).strip() for k, lines in entries.items()
+            if not k.startswith("-") and not _FTL_KEY_MESSAGE.search(k.partition(".")[0])
+            and not _FTL_NON_TEXT.search(k.partition(".")[2])}
+
+def plain_pattern(pattern: str) -> str | None:
+    "The pattern with its `{ $var }` / `{ -term }` placeables normalised; None for any other placeable or no letter."
+    text = _FTL_SIMPLE.sub(lambda m: f"{{ {m.group(1)} }}", pattern)
+    rest = _FTL_SIMPLE.sub("", text)
+    if "{" in rest or "}" in rest or not re.search(r"[^\W\d_]", rest):
+        return None
+    return text
+
+# %% ../../../nbs/01b_build.ipynb #b88721b1
+def langpack_strings(root: Path, locale: str) -> dict[str, str]:
+    "`file:message[.attribute]` → pattern for every text string of the unpacked language pack for `locale`."
+    out = {}
+    for name, text in langpack_ftl(root, locale).items():
+        file = name.replace(f"localization/{locale}/", "")
+        out.update({f"{file}:{key}": pattern for key, pattern in fluent_entries(text).items()})
+    return out
+
+def parallel_rows(de: dict[str, str], rm: dict[str, str], en: dict[str, str]) -> list[dict]:
+    "Rows of the parallel set from the three packs' strings (`langpack_strings`), sorted by id."
+    rows, seen = [], set()
+    for key in sorted(de.keys() & rm.keys()):
+        d, r = plain_pattern(de[key]), plain_pattern(rm[key])
+        if d is None or r is None or d == r or (d, r) in seen or (key in en and plain_pattern(en[key]) == r):
+            continue
+        if sorted(_FTL_SIMPLE.findall(d)) != sorted(_FTL_SIMPLE.findall(r)):
+            continue  # a translation that adds or loses a placeable
+        seen.add((d, r))
+        file, _, entry = key.rpartition(":")
+        message, _, attribute = entry.partition(".")
+        rows.append({"id": key, "file": file, "message": message, "attribute": attribute, "de": d, "rm": r})
+    return rows
+
+def firefox_parallel(roots: dict[str, Path]) -> list[dict]:
+    "The rows of `parallel/firefox-de-rm.parquet` from the unpacked German, Romansh and English language packs."
+    de, rm = (langpack_strings(roots[package], locale) for locale, package in PARALLEL_PACKS.items())
+    return parallel_rows(de, rm, langpack_strings(roots[ENGLISH_PACK[1]], ENGLISH_PACK[0]))
 
 # %% ../../../nbs/01b_build.ipynb #06430c4f
 _JS_FIELD = re.compile(r"""(\w+):\s*(?:'((?:[^'\\]|\\.)*)'|"((?:[^"\\]|\\.)*)"|(-?[\d_.]+))""")
@@ -696,11 +767,14 @@ FILES_USED = {
     **{f"manpages-{lang}": f"usr/share/man/{lang}/man*/*.gz (no symlinks, no .so redirects), groff -k -man -Tutf8"
        for lang in MANPAGE_LANGS},
     "firefox-esr-l10n-rm": "langpack-rm@firefox-esr.mozilla.org.xpi: localization/rm/**/*.ftl",
+    "firefox-esr-l10n-de": "langpack-de@firefox-esr.mozilla.org.xpi: localization/de/**/*.ftl (parallel set only)",
+    "firefox-esr-l10n-en-gb": "langpack-en-GB@firefox-esr.mozilla.org.xpi: localization/en-GB/**/*.ftl (only to drop "
+                              "untranslated Romansh strings; contributes no text)",
     "udhr": "package/index.js (metadata), package/declaration/*.html",
 }
 
 # %% ../../../nbs/01b_build.ipynb #a641efc3
-def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], out: Path) -> str:
+def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], parallel: list[dict], out: Path) -> str:
     "The text of data/PROVENANCE.md for a build whose outputs are under `out`."
     import importlib.metadata as md
     lines = ["# Provenance of `data/`", "",
@@ -714,24 +788,41 @@ def provenance_markdown(rows: list[dict], udhr: list[dict], probes: list[dict], 
              "## Inputs", "",
              "| package | version | registry | licence | sha256 of archive | files used | documents | words | languages |",
              "|---|---|---|---|---|---|---:|---:|---:|"]
-    lines += [_input_row(src, rows, udhr) for src in pinned_sources().values()]
+    lines += [_input_row(src, rows, udhr, parallel) for src in pinned_sources().values()]
     held = sum(p["kind"] == "held_out" for p in probes)
     lines += ["", f"Held out of the corpus: {held} King James chapters (probes: their first {PROBE_VERSES} verses). "
               f"Added to it: {len(probes) - held} canonical passages in {len(VARIANT_FORMATS)} formats each.",
-              "", "## Outputs", "", "| file | rows | bytes | sha256 |", "|---|---:|---:|---|"]
+              "", _parallel_note(parallel), "",
+              "## Outputs", "", "| file | rows | bytes | sha256 |", "|---|---:|---:|---|"]
     for rel in CORPUS_FILES.values():
         path = out / rel
         lines.append(f"| `{rel}` | {pq.ParquetFile(path).metadata.num_rows:,} | {path.stat().st_size:,} | "
                      f"`{sha256_file(path)}` |")
     return "\n".join(lines) + "\n"
 
+# %% ../../../nbs/01b_build.ipynb #7db451cd
+def _parallel_note(parallel: list[dict]) -> str:
+    attrs = sum(r["attribute"] != "" for r in parallel)
+    de, rm = PARALLEL_PACKS.values()
+    return (f"Parallel set `{CORPUS_FILES['firefox-de-rm']}`: {len(parallel):,} German↔Romansh Firefox interface "
+            f"strings ({len(parallel) - attrs:,} message values, {attrs:,} text attributes such as labels and "
+            f"tooltips; no access keys, shortcuts or styles), aligned by Fluent file and message id between {de} and "
+            f"{rm}. Kept verbatim: simple placeables (`{{ $var }}`, `{{ -term }}`, the same ones on both sides) and "
+            "markup; dropped: select expressions, any other placeable (functions, message references, literals), "
+            f"strings with no letter outside placeables, Romansh strings equal to {ENGLISH_PACK[1]}'s (untranslated "
+            "English fallbacks), de == rm, and repeated (de, rm) pairs (the first id kept); sorted by id. The Romansh "
+            f"side is also in the pretraining corpus (the {rm} documents, terms resolved and placeables removed); "
+            "the German side is not.")
+
 # %% ../../../nbs/01b_build.ipynb #25e4fbb3
-def _input_row(src: Source, rows: list[dict], udhr: list[dict]) -> str:
+def _input_row(src: Source, rows: list[dict], udhr: list[dict], parallel: list[dict]) -> str:
     mine = [r for r in rows if r["source"] == src.package]
     langs = sorted({r["language"] for r in mine})
     shown = ", ".join(langs) if len(langs) <= 6 else f"{len(langs)}"
     if src.package == "udhr":
         shown += f" (+ aligned table: {len({u['code'] for u in udhr})} complete versions)"
+    if src.package in PARALLEL_PACKS.values():
+        shown = f"{shown} (+ parallel set: {len(parallel):,} de↔rm pairs)".lstrip()
     return (f"| {src.package} | {src.version} | {src.registry} | {src.licence} | `{src.sha256}` | "
             f"{FILES_USED[src.package]} | {len(mine):,} | {sum(r['word_count'] for r in mine):,} | {shown} |")
 
@@ -751,6 +842,8 @@ def build_corpus(cache_dir: str | os.PathLike | None = None, out_dir: str | os.P
     written["udhr"] = write_parquet(udhr, UDHR_SCHEMA, out / CORPUS_FILES["udhr"])
     written["probes"] = write_parquet(probes, PROBE_SCHEMA, out / CORPUS_FILES["probes"])
     written["robots"] = write_parquet(robots_snapshot(origins), ROBOTS_SCHEMA, out / CORPUS_FILES["robots"])
-    (out / "PROVENANCE.md").write_text(provenance_markdown(rows, udhr, probes, out))
+    parallel = firefox_parallel(roots)
+    written["firefox-de-rm"] = write_parquet(parallel, PARALLEL_SCHEMA, out / CORPUS_FILES["firefox-de-rm"])
+    (out / "PROVENANCE.md").write_text(provenance_markdown(rows, udhr, probes, parallel, out))
     written["provenance"] = out / "PROVENANCE.md"
     return written
