@@ -22,14 +22,14 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 from ..compliance.ledger import record
 from ..core import ConfigError, bounded
 
-TURNS = ("user-system", "first-user")  # which turns of a conversation are checked
+TURNS = ("user-system", "first-user", "all")  # which turns of a conversation are checked
 
 @dataclass(kw_only=True)
 class DecontaminationConfig:
     ngram: int = bounded(8, 1)                # tokens per n-gram of the candidate lookup (Apertus: 8)
     min_block: int = bounded(5, 1)            # matching blocks shorter than this count for nothing (Apertus: 5)
     threshold: float = bounded(0.5, 0, 1)     # matched tokens / benchmark prompt tokens that flags a pair (Apertus: 0.5)
-    turns: str = "user-system"                # every user and system turn | first-user: the first user message (Apertus)
+    turns: str = "user-system"                # every user and system turn | first-user: the first user message (Apertus) | all: the assistant's too
     with_options: bool = False                # index a benchmark prompt with its answer options appended (Apertus: the prompt only)
     special_tokens: bool = True               # BoS in front of every tokenized text, inside the n-grams (Apertus: yes)
 
@@ -107,6 +107,8 @@ def checked_turns(messages: list[dict], turns: str) -> list[str]:
     "The texts of a conversation that are checked: every user and system turn, or the first user message (Apertus)."
     if turns == "first-user":
         return [next((m["content"] for m in messages if m["role"] == "user"), "")]
+    if turns == "all":                        # a translation benchmark's reference is what a leak's answer carries
+        return [m["content"] for m in messages]
     return [m["content"] for m in messages if m["role"] in ("user", "system")]
 
 def conversation_match(index: BenchmarkIndex, tokenizer, messages: list[dict]) -> Match | None:
