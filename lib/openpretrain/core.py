@@ -190,6 +190,7 @@ SECTIONS = (
     "memorization",    # 12: verbatim memorisation probes
     "evaluation",      # 13: lm-evaluation-harness
     "serving",         # 14: decode throughput
+    "sft",             # 16: supervised fine-tuning
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 
