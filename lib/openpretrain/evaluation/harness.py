@@ -30,7 +30,7 @@ from torch import nn
 
 from ..core import ConfigError, Preset, load_preset, project_root, resolve_device, to_dict
 from ..corpus import load_embedded, load_udhr
-from ..models.common import generate
+from ..models.common import generate_greedy
 from ..tokenization import TokenizerConfig, load_tokenizer
 from ..models.registry import model_config
 from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
@@ -105,27 +105,17 @@ def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max
 def generate_texts(model: nn.Module, tokenizer, requests: list[tuple[str, dict]], max_length: int,
                    batch_size: int = 8) -> list[str]:
     "Greedy continuations of (context, gen_kwargs) requests, cut at the first `until` string, EoD or `max_gen_toks` tokens."
-    jobs = {}  # (prompt length, max_gen_toks) → request indices: equal-length prompts decode as one batch
-    prompts, stops = [], []
-    for i, r in enumerate(requests):
-        context, kwargs = r
+    prompts, budgets, stops = [], [], []
+    for context, kwargs in requests:
         until = kwargs.get("until") or []
         stops.append([until] if isinstance(until, str) else list(until))
-        n_new = int(kwargs.get("max_gen_toks", 256))
-        prompts.append(tokenizer.encode(context)[-max(max_length - n_new, 1):] or [tokenizer.bos_id])
-        jobs.setdefault((len(prompts[-1]), n_new), []).append(i)
-    out = [""] * len(requests)
-    device = next(model.parameters()).device
-    for (_, n_new), idx in jobs.items():
-        for start in range(0, len(idx), batch_size):
-            chunk = idx[start:start + batch_size]
-            ids = torch.tensor([prompts[i] for i in chunk], device=device)      # (b, T0)
-            new = generate(model, ids, n_new, eos_id=tokenizer.eos_id)[:, ids.shape[1]:].tolist()
-            for i, row in zip(chunk, new):
-                row = row[:row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row
-                text = tokenizer.tok.decode(row)
-                cuts = [text.index(s) for s in stops[i] if s and s in text]
-                out[i] = text[:min(cuts)] if cuts else text
+        budgets.append(int(kwargs.get("max_gen_toks", 256)))
+        prompts.append(tokenizer.encode(context)[-max(max_length - budgets[-1], 1):] or [tokenizer.bos_id])
+    out = []
+    for row, stop in zip(generate_greedy(model, prompts, budgets, tokenizer.eos_id, batch_size), stops):
+        text = tokenizer.tok.decode(row)
+        cuts = [text.index(s) for s in stop if s and s in text]
+        out.append(text[:min(cuts)] if cuts else text)
     return out
 
 # %% ../../../nbs/13_evaluation.ipynb #df0f3a76

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..core import ConfigError, Preset, bounded, load_preset, to_dict
-from ..models.common import generate
+from ..models.common import generate_greedy
 from ..models.registry import build_model
 from ..tokenization import HFTokenizer, load_tokenizer
 from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, verify_checkpoint,
@@ -342,21 +342,11 @@ def translate(model: nn.Module, tokenizer, prompts: list[list[dict]], max_new_to
     "Greedy replies to conversations ending in a user turn, each cut at the model's <|end|>."
     end, limit = chat_ids(tokenizer)[END], getattr(model.config, "max_seq_len", None)
     ids = [render(tokenizer, m, add_generation_prompt=True)[0] for m in prompts]
-    jobs: dict[tuple[int, int], list[int]] = {}              # (prompt length, new ids) → items decoded together
-    for i, x in enumerate(ids):
-        room = max_new_tokens if limit is None else min(max_new_tokens, limit - len(x))
-        if room < 1:
-            raise ValueError(f"prompt {i} has {len(x)} ids: no room to answer within the context {limit}")
-        jobs.setdefault((len(x), room), []).append(i)
-    out = [""] * len(ids)
+    rooms = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(x)) for x in ids]   # within the context
+    if too_long := [i for i, room in enumerate(rooms) if room < 1]:
+        raise ValueError(f"prompt {too_long[0]} has {len(ids[too_long[0]])} ids: no room to answer within the context {limit}")
     model.eval()
-    for (n, room), idx in jobs.items():
-        for start in range(0, len(idx), batch_size):
-            chunk = idx[start:start + batch_size]
-            new = generate(model, torch.tensor([ids[i] for i in chunk]), room, eos_id=end)[:, n:].tolist()   # (b, room)
-            for i, row in zip(chunk, new):
-                out[i] = tokenizer.tok.decode(row[:row.index(end)] if end in row else row)
-    return out
+    return [tokenizer.tok.decode(row) for row in generate_greedy(model, ids, rooms, end, batch_size)]
 
 def scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
     "Corpus BLEU and chrF (sacrebleu defaults) of hypotheses against one reference each."

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..core import ConfigError, Preset
 from ..models.registry import context_limit
+from ..tokenization import load_tokenizer
 from .checkpoint import latest_valid_checkpoint
 from .curriculum import UNITS, Curriculum, StageSpec, counted_tokens, load_curriculum
 from .data import Batch, accounting_table
@@ -30,9 +31,9 @@ from .plan import Plan, fingerprint, plan, token_loader
 from .trainer import train
 
 # %% auto #0
-__all__ = ['INTRO', 'NEEDLE', 'QUESTION', 'LongContextConfig', 'long_stages', 'stage_preset', 'stage_plans', 'WholeRows',
-           'check_no_repeat', 'stage_loader', 'extend', 'pretrain_and_extend', 'long_rows', 'position_losses',
-           'PasskeyItem', 'passkey_item', 'passkey_items', 'passkey_scores']
+__all__ = ['SMALL', 'INTRO', 'NEEDLE', 'QUESTION', 'LongContextConfig', 'long_stages', 'stage_preset', 'stage_plans', 'WholeRows',
+           'check_no_repeat', 'stage_loader', 'extend', 'small_base', 'pretrain_and_extend', 'long_rows',
+           'position_losses', 'PasskeyItem', 'passkey_item', 'passkey_items', 'passkey_scores']
 
 # %% ../../../nbs/11b_long_context.ipynb #090f8a98
 @dataclass(kw_only=True)
@@ -137,6 +138,25 @@ def extend(p: Preset, init: str | os.PathLike, out: str | os.PathLike, keep_thet
         init = latest_valid_checkpoint(folder / "checkpoints", fingerprint(pl))
         finals.append(init)
     return finals
+
+# %% ../../../nbs/11b_long_context.ipynb #a31447c7
+SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=336)   # chapter 11a's dense arms
+
+def small_base(p: Preset, tokenizer: str, curriculum: str, steps: int, seed: int, name: str | None = None) -> Preset:
+    "Preset `p` as chapter 11a's small base: its dense width, `tokenizer`, `curriculum` and WSD 1-sqrt over `steps` steps."
+    vocab = load_tokenizer(tokenizer).vocab_size
+    raw = copy.deepcopy(p.raw)
+    raw["seed"], raw["device"] = seed, "cpu"
+    raw["tokenizer"].update(name=tokenizer, vocab_size=vocab)
+    raw["model"]["vocab_size"] = vocab
+    if raw["model"]["arch"] == "dense":
+        raw["model"].update(SMALL)
+    raw["data"]["curriculum"] = curriculum
+    raw["optim"].update(t_alpha=steps, t_beta3=steps, batch_increase_at=[], batch_increase_to=[])
+    raw["optim"]["schedule"] = dict(kind="wsd", unit="steps", warmup=steps // 8, warmup_start=0.1,
+                                    total=steps, decay=steps // 5, decay_shape="1-sqrt", end=0.1)
+    raw["train"].update(checkpoint_every=steps, keep_last=1, milestones=[], tensorboard=False, compile=False)
+    return Preset(name=name or p.name, path=p.path, raw=raw)   # `name`: the preset whose compliance output runs read
 
 # %% ../../../nbs/11b_long_context.ipynb #7b43fb76
 def pretrain_and_extend(p: Preset, out: str | os.PathLike, arms: dict[str, bool]) -> dict[str, Path]:
