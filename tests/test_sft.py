@@ -168,3 +168,32 @@ def test_the_cli_refuses_a_missing_start_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "openpretrain", "sft", "--preset", "tiny", "--from", str(tmp_path / "none"),
                         "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("openpretrain sft: ")
+
+
+def test_a_run_resumed_over_another_base_is_refused(tmp_path, base_checkpoint):
+    p = small_preset()
+    finetune(p, base_checkpoint, tmp_path / "run", [chat(i) for i in range(48)])
+    other = build_model(plan(p).model)
+    torch.nn.init.normal_(other.embed_tokens.weight)
+    rows = sft_rows(TOK, [chat(0)], 128)
+    second = save_checkpoint(tmp_path / "other", other, torch.optim.AdamW(other.parameters()), SFTLoader(rows, 1, TOK.bos_id),
+                             0, "full", {"model": to_dict(plan(p).model)})
+    with pytest.raises(CheckpointError, match="started from"):
+        finetune(p, second, tmp_path / "run", [chat(i) for i in range(48)])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unknown preset"])
+def test_the_cli_refuses_a_damaged_start_or_an_unknown_preset_in_one_line(tmp_path, base_checkpoint, damage):
+    import shutil
+    start = tmp_path / "start"
+    shutil.copytree(base_checkpoint, start)
+    preset = "tiny"
+    if damage == "truncated":
+        weights = start / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        preset = "no-such-preset"
+    r = subprocess.run([sys.executable, "-m", "openpretrain", "sft", "--preset", preset, "--from", str(start),
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("openpretrain sft: ")
+    assert not (tmp_path / "out").exists(), "nothing is written when the run cannot start"

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core import ConfigError, Preset, bounded, load_preset, to_dict
+from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_dict
 from ..models.common import generate_greedy
 from ..models.registry import build_model
 from ..tokenization import HFTokenizer, load_tokenizer
@@ -196,8 +196,8 @@ def sft_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: int, ro
 # %% ../../../nbs/16_sft.ipynb #e9f018c8
 def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: str | os.PathLike) -> Path:
     "A verified checkpoint of the model of `config` (V + k ids): the base's weights, its k new vocabulary rows their mean."
-    root = Path(root)
-    if (found := latest_valid_checkpoint(root)) and verify_checkpoint(found).get("grown_from") == str(base_checkpoint):
+    root = Path(root) / sha256_file(Path(base_checkpoint) / "manifest.json")[:16]   # a base rewritten in place is another start
+    if found := latest_valid_checkpoint(root):
         return found                                                      # a resumed run starts where it started
     base = load_model(base_config, base_checkpoint).state_dict()
     grown = build_model(config).state_dict()
