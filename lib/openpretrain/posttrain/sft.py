@@ -302,7 +302,7 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike, out: str | os.PathLi
     c, out = p.section("sft", SFTConfig), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = chat_tokenizer(load_tokenizer(p))
-    tmp = out / "tokenizer.json.tmp"
+    tmp = out / f"tokenizer.json.{os.getpid()}.tmp"          # one per writer: concurrent starts never interleave
     tok.tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
     rows = sft_rows(tok, conversations, c.seq_len, c.pack)
