@@ -4,8 +4,9 @@ The benchmark prompts are the UDHR's articles 1–30 in five languages (chapter 
 training samples are real held-out and training texts of the embedded corpus — fortunes, KJV chapters, Debian
 reference sections — with a copy, a half copy or an edited copy of a benchmark article mixed into every tenth.
 Both sides get the same token ids (the tiny preset's tokenizer with BoS) and build their own n-gram index; the
-transcription (tests/decontam_reference.py) runs its per-sample loop in one process, as does ours (`match`), so
-the ratio is the rule's own cost. Their decisions are compared sample by sample: they may differ only where the
+transcription (tests/decontam_reference.py) runs its per-sample loop in one process; ours (`matches`) takes all
+samples as one batch in one process (the hash prefilter runs over the batch at once), so the ratio is the rule's
+own cost, single-process on both sides. Their decisions are compared sample by sample: they may differ only where the
 script's dropped last n-gram decides. Both sides alternate, median of `--reps`.
 Run: OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_decontam.py [--samples 3000] [--reps 3]
 """
@@ -24,7 +25,7 @@ import decontam_reference as ref  # noqa: E402
 from openpretrain.core import load_preset  # noqa: E402
 from openpretrain.corpus import load_embedded  # noqa: E402
 from openpretrain.evaluation.harness import udhr_documents  # noqa: E402
-from openpretrain.posttrain.decontam import BenchmarkIndex, DecontaminationConfig, encode, match  # noqa: E402
+from openpretrain.posttrain.decontam import BenchmarkIndex, DecontaminationConfig, encode, matches  # noqa: E402
 from openpretrain.tokenization import TokenizerConfig, load_tokenizer  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def main(samples: int, reps: int) -> None:
     train, bench = workload(samples)
     def ours():                                        # index built inside, as the reference builds its own
         index = BenchmarkIndex(dict(enumerate(bench)))
-        return [match(index, t) for t in train]
+        return matches(index, train)
     theirs = lambda: ref.decontaminate(train, bench)
     times = {"ours": [], "reference": []}
     for _ in range(reps):

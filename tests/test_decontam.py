@@ -1,5 +1,6 @@
 """Decontamination: our rule against a literal transcription of the public script (with and without its
-off-by-one), the exact pruning bound, the turns a conversation is checked by, and the datatrove filter."""
+off-by-one), difflib's matching blocks found from shared n-grams, the exact pruning bound and hash prefilter, the turns a conversation is checked by, and the datatrove filter."""
+import difflib
 import gzip
 import json
 import random
@@ -14,7 +15,8 @@ from openpretrain.compliance.pipeline import FailClosed
 from openpretrain.core import ConfigError
 from openpretrain.corpus import load_embedded
 from openpretrain.posttrain.decontam import (BenchmarkIndex, DecontaminationConfig, DecontaminationFilter,
-                                             benchmark_index, conversation_match, encode, match, matched_tokens, ngrams)
+                                             benchmark_index, conversation_match, encode, match, matched_tokens, matches,
+                                             ngrams)
 from openpretrain.tokenization import load_tokenizer
 
 
@@ -72,18 +74,42 @@ def test_decisions_equal_the_transcription_except_where_the_last_ngram_decides(r
     assert ref.decontaminate([copy], [short]) == [None]                          # the script finds no n-gram in it
 
 
-def test_the_common_token_bound_never_changes_a_decision():
+def difflib_tokens(train, bench, n):
+    "The definition: difflib's own matching blocks of ≥ n tokens, summed."
+    blocks = difflib.SequenceMatcher(None, train, bench, autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks if b.size >= n)
+
+
+def test_matched_tokens_equal_difflibs_blocks_on_real_and_random_text(real_case, tok):
+    bench, train = real_case
+    for b, t in zip(bench * 5, train):                                      # copies, halves, edits, unrelated
+        assert matched_tokens(tok.encode(t), tok.encode(b), 5) == difflib_tokens(tok.encode(t), tok.encode(b), 5)
+    rng = random.Random(2)
+    for _ in range(3000):                                                   # two or three symbols: ties everywhere
+        k = rng.randrange(2, 4)
+        a, b = [rng.randrange(k) for _ in range(rng.randrange(80))], [rng.randrange(k) for _ in range(rng.randrange(50))]
+        if b and rng.random() < 0.5:
+            a = a[:10] + b[rng.randrange(len(b)):] + a[10:]
+        for n in (1, 2, 3, 5):
+            assert matched_tokens(a, b, n) == difflib_tokens(a, b, n), (a, b, n)
+
+
+def test_the_bound_and_the_hash_prefilter_never_change_a_decision():
     rng = random.Random(1)
+    texts = []
     for _ in range(300):
         bench = [[rng.randrange(20) for _ in range(rng.randrange(6, 40))] for _ in range(5)]
         train = [x if rng.random() > 0.3 else rng.randrange(20) for x in (rng.choice(bench) if rng.random() < 0.5 else [])]
         train += [rng.randrange(20) for _ in range(rng.randrange(0, 30))]
         index = BenchmarkIndex(dict(enumerate(bench)), DecontaminationConfig(ngram=3))
         candidates = sorted({i for g in ngrams(train, 3) for i in index.index.get(g, ())})
-        brute = {i: matched_tokens(train, bench[i], 5) / len(bench[i]) for i in candidates}   # difflib on every candidate
+        brute = {i: difflib_tokens(train, bench[i], 5) / len(bench[i]) for i in candidates}   # difflib on every candidate
         found = match(index, train)
         reached = {i: r for i, r in brute.items() if r >= 0.5}
         assert (found is None) == (not reached) and (found is None or found.ratio == max(reached.values()))
+        assert index.shared([train]) == [ngrams(train, 3) & index.index.keys()]
+        texts.append(train)
+    assert matches(index, texts) == [match(index, t) for t in texts]     # one batch: the same as text by text
 
 
 def test_the_first_user_message_hides_copies_that_every_user_and_system_turn_shows(tok):

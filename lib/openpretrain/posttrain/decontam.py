@@ -10,11 +10,13 @@ writer is the caller's)."""
 # %% ../../../nbs/15_decontamination.ipynb #232215c5
 from __future__ import annotations
 
-import difflib
 import hashlib
+import itertools
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import BaseFilter
@@ -38,23 +40,58 @@ class DecontaminationConfig:
             raise ConfigError(f"decontamination.turns: '{self.turns}' is not {' | '.join(TURNS)}")
 
 # %% auto #0
-__all__ = ['TURNS', 'DecontaminationConfig', 'ngrams', 'matched_tokens', 'common_tokens', 'Match', 'BenchmarkIndex', 'encode',
-           'benchmark_index', 'match', 'checked_turns', 'conversation_match', 'DecontaminationFilter', 'normal_hash',
-           'exact_match']
+__all__ = ['TURNS', 'HASH_BITS', 'DecontaminationConfig', 'ngrams', 'grams', 'positions', 'anchors', 'covered', 'block_tokens',
+           'matched_tokens', 'Match', 'gram_hashes', 'window_hashes', 'BenchmarkIndex', 'encode', 'benchmark_index',
+           'best_match', 'matches', 'match', 'checked_turns', 'conversation_match', 'DecontaminationFilter',
+           'normal_hash', 'exact_match']
 
 # %% ../../../nbs/15_decontamination.ipynb #17a5058b
 def ngrams(tokens: list[int], n: int) -> set[tuple[int, ...]]:
     "Every n-gram of `tokens`: len − n + 1 of them, none for a shorter sequence (the reference drops the last one)."
     return set(zip(*(tokens[i:] for i in range(n))))
 
+def grams(tokens: list[int], n: int) -> list[tuple[int, ...]]:
+    "The n-grams of `tokens` in order (ngrams' set, positions kept)."
+    return list(zip(*(tokens[i:] for i in range(n))))
+
+def positions(tokens: list[int], n: int, keep: set | dict | None = None) -> dict[tuple[int, ...], list[int]]:
+    "n-gram → where it starts in `tokens`; only the n-grams in `keep`, if given."
+    at = defaultdict(list)
+    for i, g in enumerate(grams(tokens, n)):
+        if keep is None or g in keep:
+            at[g].append(i)
+    return at
+
+def anchors(train_at: dict, bench_grams: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    "(i, j) where train[i:i+n] == bench[j:j+n], in (i, j) order: every common block of ≥ n tokens starts at one."
+    return sorted((i, j) for j, g in enumerate(bench_grams) if g in train_at for i in train_at[g])
+
+def covered(pairs: list[tuple[int, int]], n: int) -> int:
+    "Tokens of bench inside some anchor's n-gram: no block of ≥ n tokens covers more."
+    js = sorted({j for _, j in pairs})
+    return sum(min(n, b - a) for a, b in zip(js, js[1:])) + (n if js else 0)
+
+def block_tokens(pairs: list[tuple[int, int]], la: int, lb: int, n: int) -> int:
+    """Σ sizes of difflib's matching blocks of ≥ n tokens (no junk) for texts of la and lb tokens with these anchors.
+    difflib splits (a, b) at the longest common block — first in a, then in b, on ties — and recurses on both
+    sides; with no junk a block is maximal, so one starts at an anchor and its size is the anchor's run, cut at the
+    range's ends. A range whose longest block is under n holds none of ≥ n: the recursion stops there."""
+    run = {}
+    for i, j in reversed(pairs):                        # run(i, j) = run(i+1, j+1) + 1, or n where the match ends
+        run[i, j] = run.get((i + 1, j + 1), n - 1) + 1
+    total, queue = 0, [(0, la, 0, lb)]
+    while queue:
+        alo, ahi, blo, bhi = queue.pop()
+        k, i, j = max(((min(r, ahi - i, bhi - j), -i, -j) for (i, j), r in run.items()
+                       if alo <= i < ahi and blo <= j < bhi), default=(0, 0, 0))
+        if k >= n:
+            total += k
+            queue += [(alo, -i, blo, -j), (k - i, ahi, k - j, bhi)]
+    return total
+
 def matched_tokens(train: list[int], bench: list[int], min_block: int) -> int:
     "Tokens of `bench` that difflib's matching blocks of ≥ `min_block` tokens cover in `train` (autojunk off)."
-    blocks = difflib.SequenceMatcher(None, train, bench, autojunk=False).get_matching_blocks()
-    return sum(b.size for b in blocks if b.size >= min_block)
-
-def common_tokens(a: Counter, b: Counter) -> int:
-    "Σ_t min(count_a(t), count_b(t)): an upper bound of any common subsequence, so of the matched tokens."
-    return sum((a & b).values())
+    return block_tokens(anchors(positions(train, min_block), grams(bench, min_block)), len(train), len(bench), min_block)
 
 # %% ../../../nbs/15_decontamination.ipynb #77e581ef
 @dataclass(frozen=True)
@@ -64,16 +101,51 @@ class Match:
     matched: int         # tokens covered by blocks of ≥ min_block
     turn: int = 0        # which checked turn of the conversation
 
+HASH_BITS = 22                       # the prefilter's table: 2^22 flags, 4 MiB, mostly empty for ≤ 10^5 index n-grams
+
+def gram_hashes(columns: np.ndarray) -> np.ndarray:
+    "A HASH_BITS-bit multiplicative hash of each n-gram, given as n columns of uint32 token ids ((n, G) → (G,))."
+    h = np.zeros(columns.shape[1], dtype=np.uint32)
+    for column in columns:
+        h ^= column
+        h *= np.uint32(0x9E3779B1)
+    return h >> np.uint32(32 - HASH_BITS)
+
+def window_hashes(flat: np.ndarray, n: int) -> np.ndarray:
+    "The hash of every n-token window of `flat` (uint32): len − n + 1 of them."
+    return gram_hashes(np.lib.stride_tricks.sliding_window_view(flat, n).T)
+
 class BenchmarkIndex:
-    "Benchmark prompts as token ids, their token counts, and the inverted index n-gram → the prompts holding it."
+    "Benchmark prompts as token ids, the inverted index n-gram → the prompts holding it, and its hash table."
     def __init__(self, tokens: dict[str, list[int]], config: DecontaminationConfig | None = None):
-        self.config = config or DecontaminationConfig()
+        self.config = c = config or DecontaminationConfig()
         self.ids, self.tokens = list(tokens), list(tokens.values())
-        self.counts = [Counter(t) for t in self.tokens]
+        self.blocks = [grams(t, c.min_block) for t in self.tokens]      # each prompt's min_block-grams, in order
+        self.block_set = {g for b in self.blocks for g in b}
         self.index: dict[tuple, list[int]] = defaultdict(list)
         for i, t in enumerate(self.tokens):
-            for gram in ngrams(t, self.config.ngram):
+            for gram in ngrams(t, c.ngram):
                 self.index[gram].append(i)
+        self.table = np.zeros(1 << HASH_BITS, dtype=bool)
+        if self.index:
+            self.table[gram_hashes(np.array(list(self.index), dtype=np.uint32).T)] = True
+
+    def shared(self, texts: list[list[int]]) -> list[set[tuple]]:
+        "For each text, the n-grams it shares with the index: `ngrams(text) & index.keys()`, one numpy pass for all."
+        n, out = self.config.ngram, [set() for _ in texts]
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        flat = np.fromiter(itertools.chain.from_iterable(texts), dtype=np.uint32, count=int(lengths.sum()))
+        if len(flat) < n:
+            return out
+        hits = np.flatnonzero(self.table[window_hashes(flat, n)])      # windows whose hash the index holds
+        starts = np.cumsum(lengths) - lengths
+        owner = np.searchsorted(starts, hits, side="right") - 1
+        at = hits - starts[owner]
+        inside = at <= lengths[owner] - n                               # windows across two texts do not count
+        for s, p in zip(owner[inside].tolist(), at[inside].tolist()):
+            if (gram := tuple(texts[s][p:p + n])) in self.index:        # the hash only nominates; the tuple decides
+                out[s].add(gram)
+        return out
 
 def encode(tokenizer, text: str, config: DecontaminationConfig) -> list[int]:
     "A text's token ids as the rule sees them: the training tokenizer's, with its BoS in front if `special_tokens`."
@@ -86,22 +158,25 @@ def benchmark_index(prompts: dict[str, str], tokenizer, config: DecontaminationC
     return BenchmarkIndex({k: encode(tokenizer, text, config) for k, text in prompts.items()}, config)
 
 # %% ../../../nbs/15_decontamination.ipynb #92ad2293
+def best_match(index: BenchmarkIndex, tokens: list[int], shared: set[tuple]) -> Match | None:
+    "The benchmark prompt `tokens` cover most among the candidates its shared n-grams name, if one reaches the threshold."
+    c, best, at = index.config, None, positions(tokens, index.config.min_block, index.block_set)
+    for i in sorted({i for gram in shared for i in index.index[gram]}):
+        pairs, size = anchors(at, index.blocks[i]), len(index.tokens[i])
+        if covered(pairs, c.min_block) < c.threshold * size:
+            continue                                   # cannot reach the threshold: no block need be found
+        matched = block_tokens(pairs, len(tokens), size, c.min_block)
+        if matched >= c.threshold * size and (best is None or matched / size > best.ratio):
+            best = Match(index.ids[i], matched / size, matched)
+    return best
+
+def matches(index: BenchmarkIndex, texts: list[list[int]]) -> list[Match | None]:
+    "`match` of every text, the shared n-grams found for all of them in one pass."
+    return [best_match(index, t, s) if s else None for t, s in zip(texts, index.shared(texts))]
+
 def match(index: BenchmarkIndex, tokens: list[int]) -> Match | None:
     "The benchmark prompt `tokens` cover most, among those whose matched blocks reach the threshold; None if none."
-    c = index.config
-    shared = ngrams(tokens, c.ngram) & index.index.keys()          # one C-level set intersection, as the reference
-    if not shared:
-        return None
-    candidates = sorted({i for gram in shared for i in index.index[gram]})
-    counts, best = Counter(tokens), None
-    for i in candidates:
-        bench = index.tokens[i]
-        if common_tokens(counts, index.counts[i]) / len(bench) < c.threshold:
-            continue                                   # cannot reach the threshold: difflib need not run
-        matched = matched_tokens(tokens, bench, c.min_block)
-        if matched / len(bench) >= c.threshold and (best is None or matched / len(bench) > best.ratio):
-            best = Match(index.ids[i], matched / len(bench), matched)
-    return best
+    return matches(index, [tokens])[0]
 
 def checked_turns(messages: list[dict], turns: str) -> list[str]:
     "The texts of a conversation that are checked: every user and system turn, or the first user message (Apertus)."
@@ -113,8 +188,8 @@ def checked_turns(messages: list[dict], turns: str) -> list[str]:
 
 def conversation_match(index: BenchmarkIndex, tokenizer, messages: list[dict]) -> Match | None:
     "The best match over the conversation's checked turns, with the turn it was found in."
-    found = [Match(m.benchmark, m.ratio, m.matched, t) for t, text in enumerate(checked_turns(messages, index.config.turns))
-             if (m := match(index, encode(tokenizer, text, index.config)))]
+    texts = [encode(tokenizer, text, index.config) for text in checked_turns(messages, index.config.turns)]
+    found = [Match(m.benchmark, m.ratio, m.matched, t) for t, m in enumerate(matches(index, texts)) if m]
     return max(found, key=lambda m: m.ratio, default=None)
 
 # %% ../../../nbs/15_decontamination.ipynb #c35b4dde
