@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from torch import nn
 
 from ..core import ConfigError, Preset, load_preset, project_root, resolve_device, to_dict
@@ -176,7 +176,6 @@ def detect_batch_size(model: nn.Module, length: int, max_batch_size: int = 64) -
     return fits()
 
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
-@register_model("openpretrain")
 class OpenPretrainLM(LM):
     "lm-eval model over an openpretrain dense or hybrid model (object, or a trainer checkpoint + its preset)."
     def __init__(self, model: nn.Module | None = None, tokenizer=None, *, checkpoint: str | None = None,
@@ -212,6 +211,10 @@ class OpenPretrainLM(LM):
     def _batch_size(self, length: int) -> int:
         "The fixed batch size, or lm-eval's `auto` searched for at rows of `length` tokens."
         return self.batch_size if self.batch_size != "auto" else detect_batch_size(self.model, length, self.max_batch_size)
+
+if getattr(model_registry.get("openpretrain", None), "__qualname__", None) != "OpenPretrainLM":
+    register_model("openpretrain")(OpenPretrainLM)   # lm-eval refuses a second class under one name: a process that
+                                                     # ran this chapter's cell as a notebook keeps that copy
 
 # %% ../../../nbs/13_evaluation.ipynb #8ae6b044
 def udhr_versions(language: str) -> list[str]:
