@@ -16,7 +16,7 @@ from openpretrain.core import ConfigError
 from openpretrain.corpus import load_embedded
 from openpretrain.posttrain.decontam import (BenchmarkIndex, DecontaminationConfig, DecontaminationFilter,
                                              benchmark_index, conversation_match, encode, match, matched_tokens, matches,
-                                             ngrams)
+                                             ngrams, positions)
 from openpretrain.tokenization import load_tokenizer
 
 
@@ -108,6 +108,7 @@ def test_the_bound_and_the_hash_prefilter_never_change_a_decision():
         reached = {i: r for i, r in brute.items() if r >= 0.5}
         assert (found is None) == (not reached) and (found is None or found.ratio == max(reached.values()))
         assert index.shared([train]) == [ngrams(train, 3) & index.index.keys()]
+        assert index.block_positions(train) == positions(train, 5, index.block_set)
         texts.append(train)
     assert matches(index, texts) == [match(index, t) for t in texts]     # one batch: the same as text by text
 

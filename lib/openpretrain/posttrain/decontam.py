@@ -10,8 +10,9 @@ writer is the caller's)."""
 # %% ../../../nbs/15_decontamination.ipynb #232215c5
 from __future__ import annotations
 
+import array
+import bisect
 import hashlib
-import itertools
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -41,9 +42,9 @@ class DecontaminationConfig:
 
 # %% auto #0
 __all__ = ['TURNS', 'HASH_BITS', 'DecontaminationConfig', 'ngrams', 'grams', 'positions', 'anchors', 'covered', 'block_tokens',
-           'matched_tokens', 'Match', 'gram_hashes', 'window_hashes', 'BenchmarkIndex', 'encode', 'benchmark_index',
-           'best_match', 'matches', 'match', 'checked_turns', 'conversation_match', 'DecontaminationFilter',
-           'normal_hash', 'exact_match']
+           'matched_tokens', 'Match', 'gram_hashes', 'window_hashes', 'as_array', 'hash_table', 'BenchmarkIndex',
+           'encode', 'benchmark_index', 'best_match', 'matches', 'match', 'checked_turns', 'conversation_match',
+           'DecontaminationFilter', 'normal_hash', 'exact_match']
 
 # %% ../../../nbs/15_decontamination.ipynb #17a5058b
 def ngrams(tokens: list[int], n: int) -> set[tuple[int, ...]]:
@@ -82,8 +83,8 @@ def block_tokens(pairs: list[tuple[int, int]], la: int, lb: int, n: int) -> int:
     total, queue = 0, [(0, la, 0, lb)]
     while queue:
         alo, ahi, blo, bhi = queue.pop()
-        k, i, j = max(((min(r, ahi - i, bhi - j), -i, -j) for (i, j), r in run.items()
-                       if alo <= i < ahi and blo <= j < bhi), default=(0, 0, 0))
+        inside = pairs[bisect.bisect_left(pairs, (alo,)):bisect.bisect_left(pairs, (ahi,))]   # alo ≤ i < ahi (pairs sorted)
+        k, i, j = max(((min(run[i, j], ahi - i, bhi - j), -i, -j) for i, j in inside if blo <= j < bhi), default=(0, 0, 0))
         if k >= n:
             total += k
             queue += [(alo, -i, blo, -j), (k - i, ahi, k - j, bhi)]
@@ -115,6 +116,21 @@ def window_hashes(flat: np.ndarray, n: int) -> np.ndarray:
     "The hash of every n-token window of `flat` (uint32): len − n + 1 of them."
     return gram_hashes(np.lib.stride_tricks.sliding_window_view(flat, n).T)
 
+def as_array(texts: list[list[int]]) -> np.ndarray:
+    "The texts' token ids end to end as one uint32 array (array.array's extend: the fastest path from Python ints)."
+    flat = array.array("I")
+    for t in texts:
+        flat.extend(t)
+    return np.frombuffer(flat, dtype=np.uint32)
+
+def hash_table(texts: list[list[int]], n: int) -> np.ndarray:
+    "2^HASH_BITS flags, set at the hash of every n-gram of the texts."
+    table = np.zeros(1 << HASH_BITS, dtype=bool)
+    for t in texts:
+        if len(t) >= n:
+            table[window_hashes(as_array([t]), n)] = True
+    return table
+
 class BenchmarkIndex:
     "Benchmark prompts as token ids, the inverted index n-gram → the prompts holding it, and its hash table."
     def __init__(self, tokens: dict[str, list[int]], config: DecontaminationConfig | None = None):
@@ -126,15 +142,12 @@ class BenchmarkIndex:
         for i, t in enumerate(self.tokens):
             for gram in ngrams(t, c.ngram):
                 self.index[gram].append(i)
-        self.table = np.zeros(1 << HASH_BITS, dtype=bool)
-        if self.index:
-            self.table[gram_hashes(np.array(list(self.index), dtype=np.uint32).T)] = True
+        self.table, self.block_table = hash_table(self.tokens, c.ngram), hash_table(self.tokens, c.min_block)
 
     def shared(self, texts: list[list[int]]) -> list[set[tuple]]:
         "For each text, the n-grams it shares with the index: `ngrams(text) & index.keys()`, one numpy pass for all."
         n, out = self.config.ngram, [set() for _ in texts]
-        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        flat = np.fromiter(itertools.chain.from_iterable(texts), dtype=np.uint32, count=int(lengths.sum()))
+        lengths, flat = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), as_array(texts)
         if len(flat) < n:
             return out
         hits = np.flatnonzero(self.table[window_hashes(flat, n)])      # windows whose hash the index holds
@@ -146,6 +159,15 @@ class BenchmarkIndex:
             if (gram := tuple(texts[s][p:p + n])) in self.index:        # the hash only nominates; the tuple decides
                 out[s].add(gram)
         return out
+
+    def block_positions(self, tokens: list[int]) -> dict[tuple[int, ...], list[int]]:
+        "`positions(tokens, min_block, block_set)`: the windows whose hash the prompts' blocks hold, then their tuples."
+        n, at = self.config.min_block, defaultdict(list)
+        if len(tokens) >= n:
+            for p in np.flatnonzero(self.block_table[window_hashes(as_array([tokens]), n)]).tolist():
+                if (gram := tuple(tokens[p:p + n])) in self.block_set:
+                    at[gram].append(p)
+        return at
 
 def encode(tokenizer, text: str, config: DecontaminationConfig) -> list[int]:
     "A text's token ids as the rule sees them: the training tokenizer's, with its BoS in front if `special_tokens`."
@@ -160,7 +182,7 @@ def benchmark_index(prompts: dict[str, str], tokenizer, config: DecontaminationC
 # %% ../../../nbs/15_decontamination.ipynb #92ad2293
 def best_match(index: BenchmarkIndex, tokens: list[int], shared: set[tuple]) -> Match | None:
     "The benchmark prompt `tokens` cover most among the candidates its shared n-grams name, if one reaches the threshold."
-    c, best, at = index.config, None, positions(tokens, index.config.min_block, index.block_set)
+    c, best, at = index.config, None, index.block_positions(tokens)
     for i in sorted({i for gram in shared for i in index.index[gram]}):
         pairs, size = anchors(at, index.blocks[i]), len(index.tokens[i])
         if covered(pairs, c.min_block) < c.threshold * size:
