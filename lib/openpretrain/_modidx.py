@@ -1357,6 +1357,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                      'openpretrain/training/checkpoint.py'),
                                                   'openpretrain.training.checkpoint.prune_checkpoints': ( 'checkpoint.html#prune_checkpoints',
                                                                                                           'openpretrain/training/checkpoint.py'),
+                                                  'openpretrain.training.checkpoint.publish_checkpoint': ( 'checkpoint.html#publish_checkpoint',
+                                                                                                           'openpretrain/training/checkpoint.py'),
                                                   'openpretrain.training.checkpoint.read_tensors': ( 'checkpoint.html#read_tensors',
                                                                                                      'openpretrain/training/checkpoint.py'),
                                                   'openpretrain.training.checkpoint.restore_state': ( 'checkpoint.html#restore_state',

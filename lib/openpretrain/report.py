@@ -174,8 +174,8 @@ def run_report(s: ReportSettings, only: list[str] | None = None) -> dict[str, fl
 
 def with_upstream(s: ReportSettings, todo: list[str]) -> list[str]:
     "`todo` and, before it, the writer of every upstream folder a later chapter of it reads that the outputs lack."
-    need = {w: f for f, w in UPSTREAM.items()
-            if w in s.chapters and w not in todo and not (s.out_dir / f).is_dir() and any(c > w for c in todo)}
+    need = {w: f for f, (w, reader) in UPSTREAM.items()
+            if w in s.chapters and w not in todo and not (s.out_dir / f).is_dir() and any(c >= reader for c in todo)}
     for writer, folder in need.items():  # else `input: auto` silently reads the embedded corpus instead
         print(f"report: {s.out_dir / folder} is missing and later chapters read it: {writer} runs first",
               file=sys.stderr, flush=True)
@@ -322,11 +322,12 @@ def _close(x: float, y: float, rel: float, abs_: float) -> bool:
     return x == y or (x != x and y != y) or abs(x - y) <= abs_ + rel * max(abs(x), abs(y))
 
 # %% ../../nbs/90_report.ipynb #3d9d233c
-UPSTREAM = {"compliance": "04a_pipeline"}  # folder of the report root → the chapter that writes it (08+ read it)
+UPSTREAM = {"compliance": ("04a_pipeline", "08_data"),          # folder of the report root → (the chapter that writes
+            "long-context": ("11b_long_context", "16_sft")}      # it, the first that reads it: it and later ones do)
 
 def reuse_upstream(src: Path, dst: Path, chapters: list[str]) -> list[str]:
     "Copy into `dst` the upstream folders of `src` whose writing chapter is not rerun; returns their names."
-    reused = [f for f, writer in UPSTREAM.items() if writer not in chapters and (src / f).is_dir()]
+    reused = [f for f, (writer, _) in UPSTREAM.items() if writer not in chapters and (src / f).is_dir()]
     for folder in reused:
         shutil.copytree(src / folder, dst / folder)
     return reused

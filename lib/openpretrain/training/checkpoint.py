@@ -31,10 +31,10 @@ from ..models.registry import build_model, to_hf
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal',
-           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'checkpoint_format',
-           'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded', 'save_checkpoint',
-           'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint', 'load_model',
-           'consolidated_weights', 'load_weights', 'export_hf']
+           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'publish_checkpoint',
+           'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded',
+           'save_checkpoint', 'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint',
+           'load_model', 'consolidated_weights', 'load_weights', 'export_hf']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -181,6 +181,16 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+# %% ../../../nbs/10a_checkpoint.ipynb #3f2c7d87
+def publish_checkpoint(src: Path, dst: Path, expected: dict | None = None) -> Path:
+    "A verified copy of checkpoint `src` (of the run `expected`) sealed as `dst`, written atomically."
+    verify_checkpoint(src, expected)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".tmp-{dst.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+    return seal(tmp, dst)
 
 # %% ../../../nbs/10a_checkpoint.ipynb #a2f49207
 def checkpoint_format(choice: str, parallel: str, world_size: int) -> str:
