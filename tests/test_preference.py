@@ -1,7 +1,6 @@
 """Preference losses (chapter 17): ours against literal transcriptions of both public QRPO losses (every transform),
 the Apertus DPO loss and pair selection, TRL's DPOTrainer with loss_type="sigmoid_norm" on our transformers export,
 the exact log Z at every β, the Apertus β clamp, and the objective moving a policy through chapter 11's `train`."""
-import copy
 import random
 from types import SimpleNamespace
 
@@ -10,7 +9,8 @@ import pytest
 import torch
 
 import preference_reference as ref
-from openpretrain.core import Preset, load_preset, to_dict
+from tiny_runs import small_preset
+from openpretrain.core import to_dict
 from openpretrain.models.registry import build_model
 from openpretrain.posttrain.preference import (DPOConfig, PairConfig, PreferenceBatch, PreferenceLoader,
                                                PreferenceObjective, QRPOConfig, beta_log_z, completion_beta,
@@ -138,19 +138,6 @@ def test_pairs_equal_the_apertus_script_and_skip_without_a_contrast():
     assert strict.skipped == P - len(kept) > 0 and lax.skipped == 0
 
 
-def small_preset() -> Preset:
-    "A 2-layer dense model over the 2,048-id BPE; its sft section sets the preference run's optimiser and batch (4 prompts)."
-    base = load_preset("tiny")
-    raw = copy.deepcopy(base.raw)
-    raw["seed"], raw["device"] = 0, "cpu"
-    raw["tokenizer"].update(name="bpe-bal-2k", vocab_size=2048)
-    raw["model"].update(vocab_size=2048, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64, max_seq_len=128)
-    raw["data"]["seq_len"] = 128
-    raw["train"].update(micro_batch=1, precision="fp32", checkpoint_every=100, keep_last=1, milestones=[], tensorboard=False)
-    raw["sft"] = {**raw["sft"], "lr": 3e-3, "batch_size": 4, "seq_len": 128, "epochs": 1, "warmup": 0.25}
-    return Preset(name="tiny", path=base.path, raw=raw)
-
-
 def pair_texts(i: int) -> dict:
     return {"prompt": f"Übersetze ins Rumantsch: Alle Menschen sind frei {i}.",
             "chosen": " Tut ils umans naschan libers" + " e eguals" * (i % 3),
@@ -164,7 +151,7 @@ def test_our_dpo_equals_trl_dpo_trainer_sigmoid_norm(tmp_path):
     from trl import DPOTrainer
     tok = load_tokenizer("bpe-bal-2k")
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    config = plan(small_preset()).model
+    config = plan(small_preset(micro_batch=1, lr=3e-3, batch_size=4, warmup=0.25)).model
     models, exports = {}, {}
     for name, seed in (("policy", 1), ("reference", 2)):
         torch.manual_seed(seed)
@@ -198,7 +185,7 @@ def test_a_qrpo_run_through_train_raises_the_chosen_and_lowers_the_rejected(tmp_
     assert torch.equal(quantile_reward(data.rewards, data.ref_rewards), torch.tensor([[1.0, 0.1]]).expand(8, 2))
     tok_path = tmp_path / "tokenizer.json"
     tok.tok.save(str(tok_path))
-    pl = plan(sft_preset(small_preset(), tok_path, tok.vocab_size, 8))
+    pl = plan(sft_preset(small_preset(micro_batch=1, lr=3e-3, batch_size=4, warmup=0.25), tok_path, tok.vocab_size, 8))
     torch.manual_seed(0)
     start = build_model(pl.model)
     init = save_checkpoint(tmp_path / "start", start, torch.optim.SGD(start.parameters()), PreferenceLoader(data, 1), 0,

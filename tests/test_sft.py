@@ -1,14 +1,15 @@
 """Supervised fine-tuning: the chat template and its targets, rows and the resumable loader, the loss normalised over
 the global batch (accumulation changes nothing), the grown start, the transformers round trip, the licence and
 decontamination gates, and the CLI's one-line refusals."""
-import copy
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from openpretrain.core import ConfigError, Preset, load_preset, to_dict
+from tiny_runs import small_preset
+
+from openpretrain.core import ConfigError, to_dict
 from openpretrain.models.registry import build_model
 from openpretrain.posttrain.sft import (CHAT_TOKENS, END, SFTConfig, SFTLoader, chat_ids, chat_start, chat_tokenizer,
                                         export_chat, finetune, render, sft_data, sft_preset, sft_rows, source_licences)
@@ -26,20 +27,6 @@ def chat(i: int) -> dict:
         {"role": "system", "content": "Du bist ein Übersetzer."},
         {"role": "user", "content": f"Übersetze ins Rumantsch: Alle Menschen sind frei {i}."},
         {"role": "assistant", "content": "Tut ils umans naschan libers " * (1 + i % 5)}]}
-
-
-def small_preset(micro_batch: int = 8, batch_size: int = 8) -> Preset:
-    "A 2-layer dense model at 128 tokens under the 2,048-id BPE, with an sft section of two or three steps."
-    base = load_preset("tiny")
-    raw = copy.deepcopy(base.raw)
-    raw["seed"], raw["device"] = 0, "cpu"
-    raw["tokenizer"].update(name="bpe-bal-2k", vocab_size=2048)
-    raw["model"].update(vocab_size=2048, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64, max_seq_len=128)
-    raw["data"]["seq_len"] = 128
-    raw["train"].update(micro_batch=micro_batch, precision="fp32", checkpoint_every=100, keep_last=1, milestones=[],
-                        tensorboard=False)
-    raw["sft"] = {**raw["sft"], "lr": 1e-3, "batch_size": batch_size, "seq_len": 128, "epochs": 1}
-    return Preset(name="tiny", path=base.path, raw=raw)
 
 
 @pytest.fixture(scope="module")
