@@ -266,7 +266,7 @@ def test_cli_compliance_runs_a_preset_file_under_the_preset_name(tmp_path, monke
     assert seen["output_dir"].parts[-2:] == ("mine", "compliance") and seen["preset"] == str(path)
 
 
-@pytest.mark.parametrize("command,flag", [("train", "--max-steps"), ("eval", "--checkpoint")])
+@pytest.mark.parametrize("command,flag", [("train", "--max-steps"), ("eval", "--checkpoint"), ("serve", "--max-concurrency")])
 def test_cli_hands_train_and_eval_flags_to_their_modules(capsys, command, flag):
     from openpretrain.__main__ import main
     with pytest.raises(SystemExit) as e:

@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=_compliance)
     for name, module, help in (("train", "training.trainer", "pretrain the preset's model (chapter 11; --help: its flags)"),
                                ("eval", "evaluation.harness", "lm-evaluation-harness on a checkpoint (chapter 13)"),
-                               ("sft", "posttrain.sft", "fine-tune a pretrained checkpoint on the licensed, decontaminated SFT data (chapter 16)")):
+                               ("sft", "posttrain.sft", "fine-tune a pretrained checkpoint on the licensed, decontaminated SFT data (chapter 16)"),
+                               ("serve", "posttrain.server", "an OpenAI-compatible server for a chat checkpoint (chapter 17a)")):
         sub.add_parser(name, help=help, add_help=False).set_defaults(run=_delegate(module), delegated=True)
     sub.add_parser("presets", help="list the presets").set_defaults(run=_presets)
     return p

@@ -9,6 +9,7 @@ nothing."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..core import ConfigError, resolve_device
 # %% auto #0
 __all__ = ['require_positive', 'RMSNorm', 'rope_inv_freq', 'Rotary', 'apply_rope', 'AttnMask', 'document_segments',
            'document_positions', 'attention_mask', 'KVCache', 'Attention', 'sample_next', 'check_generate_args',
-           'generate', 'generate_greedy', 'materialize', 'param_counts', 'cache_bytes_per_token']
+           'decode_steps', 'generate', 'generate_greedy', 'materialize', 'param_counts', 'cache_bytes_per_token']
 
 # %% ../../../nbs/05a_common.ipynb #966365ac
 def require_positive(config, *names: str) -> None:
@@ -211,27 +212,33 @@ def check_generate_args(model: nn.Module, prompt_ids: Tensor, max_new_tokens: in
 
 # %% ../../../nbs/05a_common.ipynb #f56e76bd
 @torch.no_grad()
-def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
-    """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
-
-    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
+def decode_steps(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    "Yield each step's (next ids (B,), the logits (B, V) they were drawn from); a caller that stops early saves the rest."
     check_generate_args(model, prompt_ids, max_new_tokens, temperature, top_p)
     B, T0 = prompt_ids.shape
     param = next(model.parameters())
     cache = model.init_cache(B, T0 + max_new_tokens, param.device, param.dtype)
     gen = torch.Generator(device=prompt_ids.device)  # private: sampling never touches the global RNG
     gen.seed() if seed is None else gen.manual_seed(seed)
-    out, done = [prompt_ids], torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     logits = model(prompt_ids, cache=cache)[:, -1]  # (B, V)
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_p, gen)
+        yield nxt, logits
+        if step + 1 < max_new_tokens:
+            logits = model(nxt[:, None], cache=cache)[:, -1]
+
+def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
+    """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
+
+    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
+    out, done = [prompt_ids], torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    for nxt, _ in decode_steps(model, prompt_ids, max_new_tokens, temperature, top_p, seed):
         if eos_id is not None:
             nxt = torch.where(done, eos_id, nxt)
             done |= nxt == eos_id
         out.append(nxt[:, None])
-        if step + 1 < max_new_tokens:
-            logits = model(nxt[:, None], cache=cache)[:, -1]
     return torch.cat(out, dim=1)
 
 # %% ../../../nbs/05a_common.ipynb #7d79fcc7

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
+log-probabilities, every malformed request a 4xx, 413, the server up after each), the client's retries, timeout,
+cache and one-line errors against a fake server, and lm-eval's `local-chat-completions` model against ours."""
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from openpretrain.__main__ import main as cli
+from openpretrain.core import to_dict
+from openpretrain.models.common import generate
+from openpretrain.models.dense import DenseConfig
+from openpretrain.models.registry import build_model
+from openpretrain.posttrain.server import ChatClient, ChatError, ServeConfig, app, load_served, serving
+from openpretrain.posttrain.sft import END, SFTLoader, chat_ids, chat_start, chat_tokenizer, render, sft_rows
+from openpretrain.tokenization import load_tokenizer
+from openpretrain.training.checkpoint import save_checkpoint
+
+BASE = load_tokenizer("bpe-bal-2k")
+TOK = chat_tokenizer(BASE)
+HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
+NAME = "openpretrain"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    "A verified chat checkpoint (a random 2-layer base grown by the four markers) with its tokenizer.json above it."
+    root = tmp_path_factory.mktemp("chat")
+    TOK.tok.save(str(root / "tokenizer.json"))
+    config = DenseConfig(vocab_size=BASE.vocab_size, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64,
+                         max_seq_len=128)
+    model = build_model(config)
+    rows = sft_rows(TOK, [{"id": "a", "messages": HELLO}], 128)
+    base = save_checkpoint(root / "base", model, torch.optim.AdamW(model.parameters()), SFTLoader(rows, 1, TOK.bos_id),
+                           0, "full", {"model": to_dict(config)})
+    return chat_start(config, base, DenseConfig(**{**to_dict(config), "vocab_size": TOK.vocab_size}), root / "start")
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    return load_served(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    "Our server under uvicorn on a free port, stopped after the module's tests whatever happened."
+    with serving(app(served, ServeConfig(max_body_bytes=20_000, max_tokens=64, max_concurrency=2))) as base_url:
+        yield base_url
+    port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+def greedy(served, ids: list[int], n: int, end: int | None) -> str:
+    "The reply chapter 05a's generate gives: n greedy ids, cut before the first `end`."
+    new = generate(served.model, torch.tensor([ids]), min(n, 128 - len(ids)), eos_id=end)[0, len(ids):].tolist()
+    return TOK.tok.decode(new[:new.index(end)] if end in new else new)
+
+
+def chat(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/chat/completions", json={"model": NAME, "messages": HELLO, **body}, timeout=30)
+
+
+def test_a_chat_completion_is_the_templates_greedy_reply(url, served):
+    answer = chat(url, temperature=0, max_tokens=24).json()
+    ids = render(TOK, HELLO, add_generation_prompt=True)[0]
+    assert answer["object"] == "chat.completion" and answer["model"] == NAME
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": greedy(served, ids, 24, chat_ids(TOK)[END])}
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_completion_continues_the_prompt_after_its_bos(url, served):
+    answer = httpx.post(f"{url}/completions", json={"model": NAME, "prompt": "Alle Menschen", "temperature": 0,
+                                                    "max_tokens": 10}, timeout=30).json()
+    ids = [TOK.bos_id, *TOK.encode("Alle Menschen")]
+    assert answer["object"] == "text_completion" and answer["choices"][0]["text"] == greedy(served, ids, 10, TOK.eos_id)
+
+
+def test_streamed_chunks_reassemble_to_the_greedy_reply(url):
+    with httpx.stream("POST", f"{url}/chat/completions", timeout=30,
+                      json={"model": NAME, "messages": HELLO, "temperature": 0, "max_tokens": 24, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == chat(url, temperature=0, max_tokens=24).json()["choices"][0]["message"]["content"] and text
+
+
+def test_temperature_zero_is_deterministic_and_a_seed_repeats_a_sample(url):
+    text = lambda **s: chat(url, max_tokens=16, **s).json()["choices"][0]["message"]["content"]
+    assert text(temperature=0) == text(temperature=0)
+    assert text(temperature=1.0, seed=7) == text(temperature=1.0, seed=7)
+    assert text(temperature=1.0, top_p=0.9, seed=7) != text(temperature=0)   # a random model's samples are not its arg-max
+
+
+def test_logprobs_are_the_models_log_softmax_in_openai_format(url, served):
+    answer = chat(url, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3).json()
+    entries = answer["choices"][0]["logprobs"]["content"]
+    ids = render(TOK, HELLO, add_generation_prompt=True)[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(served.model(torch.tensor([ids]))[0, -1], -1)   # the first reply token's distribution
+    top = logp.topk(3)
+    assert [t["token"] for t in entries[0]["top_logprobs"]] == [TOK.tok.decode([int(i)]) for i in top.indices]
+    assert entries[0]["token"] == entries[0]["top_logprobs"][0]["token"], "greedy takes the most likely token"
+    assert entries[0]["logprob"] == pytest.approx(float(top.values[0]), abs=1e-5)
+    assert entries[0]["bytes"] == list(entries[0]["token"].encode()) and len(entries) == answer["usage"]["completion_tokens"]
+
+
+MALFORMED = [  # (body, status, error param)
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": NAME}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": 3}]}).encode(), 400, "messages"),
+    (json.dumps({"model": NAME, "messages": HELLO, "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": NAME, "messages": HELLO, "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 65}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": NAME, "messages": HELLO, "max_tokens": "8"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": NAME, "messages": HELLO, "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({"model": NAME, "messages": HELLO, "top_p": 2}).encode(), 400, "top_p"),
+    (json.dumps({"model": NAME, "messages": HELLO, "stop": [1]}).encode(), 400, "stop"),
+    (json.dumps({"model": NAME, "messages": HELLO, "top_logprobs": 5}).encode(), 400, "top_logprobs"),
+    (json.dumps({"model": "gpt-4o", "messages": HELLO}).encode(), 404, "model"),
+    (json.dumps({"messages": HELLO}).encode(), 404, "model"),
+    (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Wort " * 300}]}).encode(), 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", MALFORMED, ids=[f"{i}-{s}-{p}" for i, (_, s, p) in enumerate(MALFORMED)])
+def test_a_malformed_request_gets_its_4xx_and_the_server_stays_up(url, body, status, param):
+    r = httpx.post(f"{url}/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == status and error["param"] == param and error["type"] == "invalid_request_error"
+    assert isinstance(error["message"], str) and error["message"]
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_completions_refuse_a_non_string_prompt_and_logprobs(url):
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "logprobs": 2}, "logprobs")):
+        r = httpx.post(f"{url}/completions", json={"model": NAME, **body}, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+
+
+def test_an_oversize_body_is_413_whether_announced_or_chunked(url):
+    big = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}).encode()
+    assert httpx.post(f"{url}/chat/completions", content=big, timeout=30).status_code == 413
+    chunked = httpx.post(f"{url}/chat/completions", content=iter([big[:15_000], big[15_000:]]), timeout=30)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+
+
+def test_a_reply_stops_at_the_context_with_finish_reason_length(url):
+    long = [{"role": "user", "content": "Wort " * 55}]
+    prompt = len(render(TOK, long, add_generation_prompt=True)[0])
+    answer = chat(url, messages=long, temperature=0, max_tokens=64).json()
+    assert prompt + 64 > 128 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+    assert answer["usage"]["completion_tokens"] <= 128 - prompt
+
+
+def test_models_and_unknown_routes(url):
+    assert [m["id"] for m in httpx.get(f"{url}/models").json()["data"]] == [NAME]
+    assert httpx.get(f"{url}/nowhere").json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/chat/completions").status_code == 405
+
+
+# ---- the client, against a fake server ---------------------------------------------------------------------------
+
+OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Allegra"}, "finish_reason": "stop"}]}
+
+
+@pytest.fixture
+def fake():
+    "A server that answers its `script` of (status, body, delay) in turn, the last one forever; counts requests."
+    state = {"script": [(200, OK, 0.0)], "hits": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            status, body, delay = state["script"][min(state["hits"], len(state["script"]) - 1)]
+            state["hits"] += 1
+            time.sleep(delay)
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", state
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_the_client_retries_503_twice_with_backoff_then_succeeds(fake):
+    base, state = fake
+    state["script"] = [(503, {"error": {"message": "busy"}}, 0.0)] * 2 + [(200, OK, 0.0)]
+    client = ChatClient(base, retries=3, backoff=0.05)
+    t0 = time.perf_counter()
+    assert client.chat(HELLO).text == "Allegra"
+    assert state["hits"] == 3 == client.requests and time.perf_counter() - t0 >= 0.05 + 0.1   # slept 0.05 then 0.1
+
+
+def test_the_client_retries_429_and_gives_up_in_one_line(fake):
+    base, state = fake
+    state["script"] = [(429, {"error": {"message": "slow down"}}, 0.0)]
+    with pytest.raises(ChatError, match=r"HTTP 429: slow down \(after 3 attempts\)") as e:
+        ChatClient(base, retries=2, backoff=0.0).chat(HELLO)
+    assert state["hits"] == 3 and "\n" not in str(e.value)
+
+
+def test_the_client_does_not_retry_a_400(fake):
+    base, state = fake
+    state["script"] = [(400, {"error": {"message": "turn 0: bad"}}, 0.0), (200, OK, 0.0)]
+    with pytest.raises(ChatError, match="HTTP 400: turn 0: bad"):
+        ChatClient(base, retries=3, backoff=0.0).chat(HELLO)
+    assert state["hits"] == 1
+
+
+def test_a_timeout_is_a_clear_error(fake):
+    base, state = fake
+    state["script"] = [(200, OK, 1.0)]
+    with pytest.raises(ChatError, match=r"no answer within 0.2 s \(after 1 attempts\)"):
+        ChatClient(base, timeout=0.2, retries=0).chat(HELLO)
+
+
+def test_a_cache_hit_sends_no_second_request(fake, tmp_path):
+    base, state = fake
+    client = ChatClient(base, cache_dir=tmp_path)
+    assert client.chat(HELLO, temperature=0).text == client.chat(HELLO, temperature=0).text == "Allegra"
+    assert state["hits"] == 1
+    client.chat(HELLO, temperature=0.5)                        # other sampling settings: another key
+    ChatClient(base, model="other", cache_dir=tmp_path).chat(HELLO, temperature=0)   # another model: another key
+    assert state["hits"] == 3 and len(list(tmp_path.rglob("*.json"))) == 3
+
+
+def test_bad_answers_are_one_line_errors_and_never_cached(fake, tmp_path):
+    base, state = fake
+    for body, message in ((b"<html>oops</html>", "answered non-JSON"), ({"id": "x"}, r"no choices\[0\]\.message\.content")):
+        state["script"] = [(200, body, 0.0)]
+        with pytest.raises(ChatError, match=message) as e:
+            ChatClient(base, retries=0, cache_dir=tmp_path).chat(HELLO)
+        assert "\n" not in str(e.value) and base in str(e.value)
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_no_server_configured_or_reachable_is_one_line(monkeypatch):
+    monkeypatch.delenv("OPENPRETRAIN_CHAT_URL", raising=False)
+    with pytest.raises(ChatError, match="no chat server configured"):
+        ChatClient()
+    with socket.socket() as s:                                 # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ChatError, match=r"unreachable \(ConnectError") as e:
+        ChatClient(f"http://127.0.0.1:{port}/v1", retries=1, backoff=0.0).chat(HELLO)
+    assert "\n" not in str(e.value)
+
+
+def test_the_client_against_our_server_batches_and_caches(url, tmp_path):
+    client = ChatClient(url, max_concurrency=2, cache_dir=tmp_path)
+    asks = [HELLO, [{"role": "user", "content": "Grüezi"}], [{"role": "user", "content": "Allegra"}]]
+    replies = client.chat_many(asks, temperature=0, max_tokens=8)
+    assert [r.text for r in replies] == [client.chat(m, temperature=0, max_tokens=8).text for m in asks]
+    assert client.requests == 3
+
+
+# ---- lm-eval and the CLI --------------------------------------------------------------------------------------------
+
+def test_lm_evals_local_chat_completions_generates_against_our_server(url):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    lm = LocalChatCompletion(base_url=f"{url}/chat/completions", model=NAME, tokenizer_backend=None, max_retries=1)
+    asks = [HELLO, [{"role": "user", "content": "Grüezi mitenand"}]]
+    requests = [Instance("generate_until", {}, (JsonChatStr(json.dumps(m)), {"until": ["\n\n"], "max_gen_toks": 8}), i)
+                for i, m in enumerate(asks)]
+    ours = ChatClient(url)
+    expected = [ours.chat(m, temperature=0, max_tokens=8, stop=["\n\n"], seed=1234).text for m in asks]
+    assert lm.generate_until(requests, disable_tqdm=True) == expected
+
+
+def test_serve_refuses_a_missing_checkpoint_in_one_line(capsys, tmp_path):
+    assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openpretrain serve: ") and "no such checkpoint folder" in err and err.count("\n") == 1
+
+
+def test_serving_stops_its_server_even_after_an_error(served):
+    with pytest.raises(RuntimeError, match="inside"):
+        with serving(app(served)) as base_url:
+            port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+            assert httpx.get(base_url.removesuffix("/v1") + "/health").status_code == 200
+            raise RuntimeError("inside")
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
