@@ -1703,6 +1703,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'openpretrain/training/ngram.py'),
                                              'openpretrain.training.ngram.bigram_nats': ( 'ngram.html#bigram_nats',
                                                                                           'openpretrain/training/ngram.py'),
+                                             'openpretrain.training.ngram.count_lines': ( 'ngram.html#count_lines',
+                                                                                          'openpretrain/training/ngram.py'),
                                              'openpretrain.training.ngram.held_out_loss': ( 'ngram.html#held_out_loss',
                                                                                             'openpretrain/training/ngram.py'),
                                              'openpretrain.training.ngram.held_out_rows': ( 'ngram.html#held_out_rows',

@@ -22,7 +22,7 @@ from .data import Batch, pack_rows
 
 # %% auto #0
 __all__ = ['PairCounts', 'scored_pairs', 'unigram_nats', 'kneser_ney_discount', 'bigram_nats', 'held_out_rows', 'held_out_loss',
-           'reference_lines']
+           'count_lines', 'reference_lines']
 
 # %% ../../../nbs/08a_ngram.ipynb #40e8a849
 @dataclass(frozen=True)
@@ -109,9 +109,12 @@ def held_out_loss(model: nn.Module, rows: Batch, batch: int = 16) -> float:
     return float((ce * rows.loss_mask.flatten()).sum() / rows.loss_mask.sum())
 
 # %% ../../../nbs/08a_ngram.ipynb #1bb58164
-def reference_lines(train: Iterable[Batch], held_out: list[Batch], vocab_size: int) -> dict[str, float]:
-    "Mean nats per scored held-out token of the add-one unigram and Kneser-Ney bigram fitted on `train`."
-    counts = PairCounts.fit(train, vocab_size)
-    v, w = (np.concatenate(x) for x in zip(*(scored_pairs(b, vocab_size) for b in held_out)))
+def count_lines(counts: PairCounts, held_out: list[Batch]) -> dict[str, float]:
+    "Mean nats per scored held-out token of the add-one unigram and Kneser-Ney bigram of `counts`."
+    v, w = (np.concatenate(x) for x in zip(*(scored_pairs(b, counts.vocab_size) for b in held_out)))
     return {"unigram (add-one)": float(unigram_nats(counts, w).mean()),
             "bigram (Kneser-Ney)": float(bigram_nats(counts, v, w).mean())}
+
+def reference_lines(train: Iterable[Batch], held_out: list[Batch], vocab_size: int) -> dict[str, float]:
+    "`count_lines` of the counts fitted on `train` (a chapter that also needs the counts fits them once and calls that)."
+    return count_lines(PairCounts.fit(train, vocab_size), held_out)
