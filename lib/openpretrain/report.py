@@ -323,7 +323,8 @@ def _close(x: float, y: float, rel: float, abs_: float) -> bool:
 
 # %% ../../nbs/90_report.ipynb #3d9d233c
 UPSTREAM = {"compliance": ("04a_pipeline", "08_data"),          # folder of the report root → (the chapter that writes
-            "long-context": ("11b_long_context", "13_evaluation")}   # it, the first that reads it: it and later ones do)
+            "long-context": ("11b_long_context", "13_evaluation"),   # it, the first that reads it: it and later ones do)
+            "sft": ("16_sft", "17_alignment")}
 
 def reuse_upstream(src: Path, dst: Path, chapters: list[str]) -> list[str]:
     "Copy into `dst` the upstream folders of `src` whose writing chapter is not rerun; returns their names."

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +30,8 @@ from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_di
 from ..models.common import generate_greedy
 from ..models.registry import build_model
 from ..tokenization import HFTokenizer, load_tokenizer
-from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, verify_checkpoint,
-                                   write_checkpoint)
+from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
+                                               verify_checkpoint, write_checkpoint)
 from ..training.data import Batch
 from ..training.plan import fingerprint, plan
 from ..training.trainer import train
@@ -63,10 +64,10 @@ def chat_ids(tokenizer) -> dict[str, int]:
     return ids
 
 # %% auto #0
-__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'SOURCES', 'chat_tokenizer', 'chat_ids', 'check_messages', 'render', 'Rows',
-           'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'udhr_pairs', 'firefox_pairs',
-           'source_licences', 'conversation', 'test_index', 'sft_data', 'finetune', 'main', 'translate', 'scores',
-           'export_chat']
+__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'SOURCES', 'PUBLISHED', 'chat_tokenizer', 'chat_ids', 'check_messages',
+           'render', 'Rows', 'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'udhr_pairs',
+           'firefox_pairs', 'source_licences', 'conversation', 'test_index', 'sft_data', 'finetune', 'main',
+           'publish_sft', 'published_sft', 'translate', 'scores', 'export_chat']
 
 # %% ../../../nbs/16_sft.ipynb #87f93f62
 def check_messages(messages) -> None:
@@ -336,6 +337,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(path)
     return 0
+
+# %% ../../../nbs/16_sft.ipynb #710dec4f
+PUBLISHED = Path("sft")   # under <outputs>/<preset>/: the first seed's fine-tuned model (model/) and its chat tokenizer (chapter 17 reads them)
+
+def publish_sft(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike, root: str | os.PathLike) -> Path:
+    "A verified copy of a fine-tuned checkpoint as root/PUBLISHED/model, its chat tokenizer.json beside it (both atomic)."
+    folder = Path(root) / PUBLISHED
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tokenizer.json.{os.getpid()}.tmp"
+    shutil.copyfile(tokenizer, tmp)
+    os.replace(tmp, folder / "tokenizer.json")
+    return publish_checkpoint(Path(checkpoint), folder / "model")
+
+def published_sft(config, root: str | os.PathLike) -> tuple[Path, Path]:
+    "The verified fine-tuned checkpoint of model `config` that chapter 16 publishes under root, and its tokenizer.json."
+    folder = Path(root) / PUBLISHED
+    if not (folder / "model").is_dir():
+        raise FileNotFoundError(f"{folder}: chapter 16 publishes this model; run it first "
+                                "(`openpretrain report --only <this chapter>` does)")
+    recorded = verify_checkpoint(folder / "model")["fingerprint"].get("model")
+    if recorded != to_dict(config):
+        raise CheckpointError(f"{folder / 'model'} holds another model than the one asked for: {recorded} vs {to_dict(config)}")
+    return folder / "model", folder / "tokenizer.json"
 
 # %% ../../../nbs/16_sft.ipynb #3ecedaa8
 @torch.no_grad()
