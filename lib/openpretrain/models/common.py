@@ -232,14 +232,18 @@ def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperat
              top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None) -> Tensor:
     """Continue prompt_ids (B, T0) by `max_new_tokens` tokens → (B, T0 + max_new_tokens).
 
-    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it."""
+    Prompts of a batch share one length (no padding). Rows that emit `eos_id` keep emitting it, so decoding stops
+    once every row has emitted it and the rest of the output is `eos_id`."""
     out, done = [prompt_ids], torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     for nxt, _ in decode_steps(model, prompt_ids, max_new_tokens, temperature, top_p, seed):
         if eos_id is not None:
             nxt = torch.where(done, eos_id, nxt)
             done |= nxt == eos_id
         out.append(nxt[:, None])
-    return torch.cat(out, dim=1)
+        if bool(done.all()):
+            break
+    new = torch.cat(out, dim=1)                                          # (B, ≤ T0 + max_new_tokens)
+    return F.pad(new, (0, prompt_ids.shape[1] + max_new_tokens - new.shape[1]), value=eos_id or 0)
 
 # %% ../../../nbs/05a_common.ipynb #7d79fcc7
 def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new: list[int], eos_id: int | None = None,
