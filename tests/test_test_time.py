@@ -1,5 +1,6 @@
-"""Test-time compute (chapter 18): the grader, the step labels and the generator, against hand-worked
-expectations."""
+"""Test-time compute (chapter 18): the grader, the step labels, the generator, the selectors and beam
+search's bookkeeping and cost, against hand-worked expectations."""
+import math
 import re
 
 import numpy as np
@@ -8,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpretrain.core import ConfigError
-from openpretrain.evaluation.test_time import (LANGUAGES, Problem, WordProblemConfig, answer_line, extract_answer,
-                                               is_correct, parse_step, problems, step_holds, step_labels)
+from openpretrain.evaluation.test_time import (LANGUAGES, Problem, SearchConfig, WordProblemConfig, accuracy_at_budget,
+                                               aggregate, answer_line, beam_search, best_of_n, extract_answer,
+                                               is_correct, majority_vote, parse_step, problems, step_holds, step_labels,
+                                               weighted_best_of_n)
 
 
 # --- the grader ---------------------------------------------------------------------------------------------------
@@ -113,3 +116,112 @@ def test_generator_config_rejects_unknown_languages_and_ragged_levels():
         WordProblemConfig(languages=["eng", "xyz"])
     with pytest.raises(ConfigError, match="one value per level"):
         WordProblemConfig(steps=[2, 3])
+
+
+# --- selectors ----------------------------------------------------------------------------------------------------
+
+def test_weighted_best_of_n_sums_the_scores_of_equal_answers():
+    answers, scores = [7, 3, 3, 3, None, 9], [0.85, 0.3, 0.3, 0.3, 1.0, 0.2]
+    assert weighted_best_of_n(answers, scores) == 3   # 3: 0.9 > 7: 0.85 > 9: 0.2; None never wins
+    assert best_of_n(answers, scores) == 7            # the single best readable sample
+    assert majority_vote(answers) == 3
+    assert weighted_best_of_n([5, 6, 6, 5], [0.5, 0.25, 0.25, 0.0]) == 5  # 0.5 each: the first seen wins
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 4)), min_size=1, max_size=12))
+def test_weighted_best_of_n_with_equal_scores_is_majority_voting(answers):
+    assert weighted_best_of_n(answers, [0.5] * len(answers)) == majority_vote(answers)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=12, unique=True))
+def test_weighted_best_of_n_over_distinct_answers_is_plain_best_of_n(scores):
+    answers = list(range(len(scores)))
+    assert weighted_best_of_n(answers, scores) == best_of_n(answers, scores) == int(np.argmax(scores))
+
+
+def test_accuracy_at_budget_is_the_chance_the_right_sample_is_drawn():
+    # best-of-N picks sample 0 whenever it is in the subset: 2 of 3 two-sample subsets hold it
+    assert accuracy_at_budget(best_of_n, [1, 2, 2], [0.9, 0.1, 0.1], 1, n=2, draws=3000) == pytest.approx(2 / 3, abs=0.03)
+    assert accuracy_at_budget(best_of_n, [1, 2, 2], [0.9, 0.1, 0.1], 1, n=3) == 1.0
+    with pytest.raises(ValueError, match="pool of at least 4"):
+        accuracy_at_budget(best_of_n, [1, 2, 2], [0.9, 0.1, 0.1], 1, n=4)
+
+
+def test_prm_aggregations_last_min_and_product_by_hand():
+    scores = [0.5, 0.25, 0.75]
+    assert (aggregate(scores, "last"), aggregate(scores, "min"), aggregate(scores, "prod")) == (0.75, 0.25, 0.09375)
+    assert aggregate(scores) == 0.75  # the study's choice is the default
+    assert aggregate([0.9] * 20, "prod") < aggregate([0.9] * 2, "prod")  # the product punishes length
+    with pytest.raises(ValueError):
+        aggregate([], "last")
+
+
+# --- beam search --------------------------------------------------------------------------------------------------
+
+def index_steps(prefixes):
+    "A deterministic 'sampler': the j-th prefix of a round gets step j."
+    return list(range(len(prefixes)))
+
+
+def sum_scores(prefixes):
+    return [sum(p) for p in prefixes]
+
+
+def test_beam_search_keeps_the_top_n_over_m_and_spends_n_steps_a_round():
+    # round 1: (0) (1) (2) (3), keep (3) (2); round 2: (3,0) (2,1) (3,2) (2,3) = 3 3 5 5, keep (3,2) (2,3);
+    # round 3: four beams of three steps end
+    r = beam_search(index_steps, sum_scores, lambda p: len(p) == 3, SearchConfig(n=4, beam_width=2))
+    assert r.beams == [(3, 2, 0), (2, 3, 1), (3, 2, 2), (2, 3, 3)]
+    assert r.scores.tolist() == [5, 6, 7, 8]
+    assert (r.iterations, r.step_generations, r.budget, r.generation_equivalents) == (3, 12, 4, 4.0)
+
+
+def test_beam_search_returns_the_first_n_beams_to_end_and_counts_what_they_cost():
+    # a step 0 ends a beam, as does a third step: (0) ends in round 1, (3,0) in round 2, then four end at once
+    done = lambda p: p[-1] == 0 or len(p) == 3
+    r = beam_search(index_steps, sum_scores, done, SearchConfig(n=4, beam_width=2))
+    assert r.beams == [(0,), (3, 0), (3, 2, 0), (2, 3, 1)]
+    assert r.scores.tolist() == [0, 3, 5, 6]
+    assert r.step_generations == 12 and r.generation_equivalents == pytest.approx(12 / 2.25)
+
+
+def test_beam_search_refills_to_n_when_fewer_than_n_over_m_stay_open():
+    # round 1 ends (0) (1) (2); only (3) stays open and is copied four times; round 2 ends three more: stop at N
+    done = lambda p: p[-1] < 3
+    r = beam_search(index_steps, sum_scores, done, SearchConfig(n=4, beam_width=2))
+    assert r.beams == [(0,), (1,), (2,), (3, 0)]
+    assert (r.iterations, r.step_generations) == (2, 8)
+
+
+def test_beam_search_gives_up_after_max_iterations_without_padding():
+    r = beam_search(index_steps, sum_scores, lambda p: False, SearchConfig(n=4, beam_width=4, max_iterations=5))
+    assert r.beams == [] and r.scores.shape == (0,) and (r.iterations, r.step_generations) == (5, 20)
+    assert math.isnan(r.generation_equivalents)
+
+
+def test_lookahead_scores_the_end_of_the_rollout_and_keeps_the_candidate():
+    seen = []
+    def last_step(prefixes):
+        seen.append(list(prefixes))
+        return [p[-1] for p in prefixes]
+    greedy = lambda prefixes: [10 - p[-1] for p in prefixes]
+    r = beam_search(index_steps, last_step, lambda p: len(p) == 2, SearchConfig(n=2, beam_width=2, lookahead=1), greedy)
+    assert seen[0] == [(0, 10), (1, 9)]          # the verifier saw the rollouts, not (0) and (1)
+    assert r.beams == [(0, 0), (0, 1)]           # (0) kept for its rollout's 10; the rollout step is not kept
+    plain = beam_search(index_steps, last_step, lambda p: len(p) == 2, SearchConfig(n=2, beam_width=2))
+    assert plain.beams == [(1, 0), (1, 1)]       # scored on the current text, (1) wins
+
+
+def test_lookahead_costs_n_times_k_plus_one_a_round_when_rollouts_run_full():
+    cfg = SearchConfig(n=4, beam_width=2, lookahead=3, max_iterations=2)
+    r = beam_search(index_steps, sum_scores, lambda p: False, cfg, greedy=lambda ps: [1] * len(ps))
+    assert cfg.budget == 16 and r.step_generations == 2 * cfg.budget
+    with pytest.raises(ValueError, match="greedy"):
+        beam_search(index_steps, sum_scores, lambda p: False, cfg)
+
+
+def test_search_config_needs_n_a_multiple_of_the_beam_width():
+    with pytest.raises(ConfigError, match="multiple"):
+        SearchConfig(n=10, beam_width=4)

@@ -9,19 +9,22 @@ answers and scores; reads and writes nothing."""
 # %% ../../../nbs/18_test_time.ipynb #bd52abc7
 from __future__ import annotations
 
+import math
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import ConfigError
+from ..core import ConfigError, bounded
 
 # %% auto #0
-__all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY', 'Templates', 'answer_line', 'Problem',
-           'WordProblemConfig', 'problems', 'make_problem', 'parse_integer', 'extract_answer', 'is_correct',
-           'parse_step', 'step_holds', 'solution_lines', 'step_labels']
+__all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY', 'SELECTORS', 'AGGREGATIONS', 'Templates',
+           'answer_line', 'Problem', 'WordProblemConfig', 'problems', 'make_problem', 'parse_integer', 'extract_answer',
+           'is_correct', 'parse_step', 'step_holds', 'solution_lines', 'step_labels', 'majority_vote',
+           'weighted_best_of_n', 'best_of_n', 'accuracy_at_budget', 'aggregate', 'SearchConfig', 'SearchResult',
+           'rollout', 'beam_search']
 
 # %% ../../../nbs/18_test_time.ipynb #ed3ea4d3
 @dataclass(frozen=True)
@@ -239,3 +242,118 @@ def _same_operation(step, reference) -> bool:
     "Do two steps apply the same operation to the same operands (+ and * in either order)?"
     key = lambda s: (s[1], *sorted(s[:3:2])) if s[1] in "+*" else (s[1], s[0], s[2])
     return key(step) == key(reference)
+
+# %% ../../../nbs/18_test_time.ipynb #906a10d8
+def majority_vote(answers: Sequence, scores=None):
+    "The most frequent readable answer (scores are ignored: every selector takes answers and scores)."
+    return _winner(_tally(answers, np.ones(len(answers))))
+
+def weighted_best_of_n(answers: Sequence, scores: Sequence[float]):
+    "Best-of-N weighted: the scores of equal final answers summed, the largest sum wins."
+    return _winner(_tally(answers, scores))
+
+def best_of_n(answers: Sequence, scores: Sequence[float]):
+    "Plain best-of-N: the answer of the highest-scoring sample that has one."
+    readable = [i for i, a in enumerate(answers) if a is not None]
+    return answers[max(readable, key=lambda i: scores[i])] if readable else None
+
+SELECTORS = {"majority": majority_vote, "best": best_of_n, "weighted": weighted_best_of_n}
+
+def _tally(answers: Sequence, weights: Sequence[float]) -> dict:
+    "Summed weight of each readable answer (None is no answer), in order of first appearance."
+    totals = {}
+    for answer, weight in zip(answers, weights):
+        if answer is not None:
+            totals[answer] = totals.get(answer, 0.0) + float(weight)
+    return totals
+
+def _winner(totals: dict):
+    "The answer with the largest total (the first seen among equals); None when there is none."
+    return max(totals, key=totals.__getitem__, default=None)
+
+# %% ../../../nbs/18_test_time.ipynb #1920a53d
+def accuracy_at_budget(select: Callable, answers: Sequence, scores: Sequence[float], truth, n: int,
+                       draws: int = 64, seed: int = 0) -> float:
+    "Expected accuracy of `select` with n samples: the mean over `draws` subsets of a pool of P ≥ n, drawn without replacement."
+    answers, scores = np.asarray(answers, dtype=object), np.asarray(scores, dtype=float)  # (P,)
+    if not 1 <= n <= len(answers):
+        raise ValueError(f"budget {n} needs a pool of at least {n} samples, got {len(answers)}")
+    rng = np.random.default_rng(seed)
+    picks = [rng.permutation(len(answers))[:n] for _ in range(draws)]  # draws × (n,)
+    return float(np.mean([select(answers[i], scores[i]) == truth for i in picks]))
+
+# %% ../../../nbs/18_test_time.ipynb #f16993cc
+AGGREGATIONS = {"last": lambda s: s[-1], "min": min, "prod": math.prod}  # the study's names (Appendix E)
+
+def aggregate(step_scores: Sequence[float], how: str = "last") -> float:
+    "One solution's score from its PRM step scores: the last (the study's choice), the smallest or their product."
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation {how!r}: expected one of {list(AGGREGATIONS)}")
+    if len(step_scores) == 0:
+        raise ValueError("a solution without steps has no PRM score")
+    return float(AGGREGATIONS[how](list(step_scores)))
+
+# %% ../../../nbs/18_test_time.ipynb #6d37a9c3
+@dataclass(kw_only=True)
+class SearchConfig:
+    n: int = bounded(16, 1)               # beams N, the budget in generations (study: 4 … 256)
+    beam_width: int = bounded(4, 1)       # M next steps sampled from each kept beam; N/M are kept (study: M = 4, and √N)
+    lookahead: int = bounded(0, 0)        # k greedy steps rolled out before scoring (study: 0 = beam search, 1 and 3)
+    max_iterations: int = bounded(40, 1)  # rounds before the search stops (study: 40)
+
+    def __post_init__(self):
+        if self.n % self.beam_width:
+            raise ConfigError(f"search: n = {self.n} beams is not a multiple of beam_width = {self.beam_width}")
+
+    @property
+    def budget(self) -> int:
+        "The study's cost in generations: N·(k+1)."
+        return self.n * (self.lookahead + 1)
+
+@dataclass
+class SearchResult:
+    beams: list[tuple]        # the finished beams (tuples of steps) in the order they ended, at most N
+    scores: np.ndarray        # (len(beams),) the verifier's score of each
+    iterations: int           # rounds run
+    step_generations: int     # steps sampled, plus steps rolled out by lookahead
+    budget: int               # the study's accounting, N·(k+1) generations
+
+    @property
+    def generation_equivalents(self) -> float:
+        "Steps generated over the mean steps of a finished beam: the cost in complete answers (nan if none ended)."
+        return self.step_generations / np.mean([len(b) for b in self.beams]) if self.beams else math.nan
+
+# %% ../../../nbs/18_test_time.ipynb #83ea6043
+def rollout(prefixes: list[tuple], greedy: Callable | None, done: Callable, k: int) -> tuple[list[tuple], int]:
+    "Each prefix continued by up to k greedy steps (fewer where it ends): the ends, and the steps generated."
+    ends, spent = list(prefixes), 0
+    for _ in range(k):
+        todo = [i for i, p in enumerate(ends) if not done(p)]
+        if not todo:
+            break
+        for i, step in zip(todo, greedy([ends[i] for i in todo])):
+            ends[i] += (step,)
+        spent += len(todo)
+    return ends, spent
+
+def beam_search(expand: Callable, score: Callable, done: Callable, cfg: SearchConfig,
+                greedy: Callable | None = None) -> SearchResult:
+    "PRM beam search (with lookahead when cfg.lookahead > 0): `expand`, `greedy`: prefixes → one next step each."
+    if cfg.lookahead and greedy is None:
+        raise ValueError("lookahead needs `greedy`, the temperature-0 step generator")
+    active, finished, spent, rounds = [()] * cfg.n, [], 0, 0
+    while rounds < cfg.max_iterations:
+        rounds += 1
+        candidates = [p + (s,) for p, s in zip(active, expand(active))]  # N step-generations
+        ends, rolled = rollout(candidates, greedy, done, cfg.lookahead)
+        spent += len(candidates) + rolled
+        scores = np.asarray(score(ends), dtype=float)                    # (N,) at each rollout's end
+        ended = np.array([done(c) for c in candidates])                 # (N,)
+        finished += [(candidates[i], scores[i]) for i in np.flatnonzero(ended)]
+        open_ = np.flatnonzero(~ended)
+        if len(finished) >= cfg.n or not len(open_):
+            break
+        keep = open_[np.argsort(-scores[open_], kind="stable")[:cfg.n // cfg.beam_width]]
+        active = [candidates[keep[j % len(keep)]] for j in range(cfg.n)]  # each kept beam M times, round-robin
+    beams, kept = zip(*finished[:cfg.n]) if finished else ((), ())
+    return SearchResult(list(beams), np.array(kept, dtype=float), rounds, spent, cfg.budget)
