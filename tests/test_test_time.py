@@ -1,5 +1,6 @@
-"""Test-time compute (chapter 18): the grader, the step labels, the generator, the selectors and beam
-search's bookkeeping and cost, against hand-worked expectations."""
+"""Test-time compute (chapter 18): the grader, the step labels, the generator, the selectors, beam search's
+bookkeeping and cost, revisions, compute-optimal selection, the FLOPs match and the bootstrap, against hand-worked
+expectations."""
 import math
 import re
 
@@ -8,11 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openpretrain.core import ConfigError
-from openpretrain.evaluation.test_time import (LANGUAGES, Problem, SearchConfig, WordProblemConfig, accuracy_at_budget,
-                                               aggregate, answer_line, beam_search, best_of_n, extract_answer,
-                                               is_correct, majority_vote, parse_step, problems, step_holds, step_labels,
-                                               weighted_best_of_n)
+from openpretrain.core import ConfigError, from_dict
+from openpretrain.evaluation.test_time import (LANGUAGES, Problem, SearchConfig, StudyConfig, WordProblemConfig,
+                                               accuracy_at_budget, aggregate, answer_line, beam_search, best_of_n,
+                                               bootstrap_ci, compute_optimal, difficulty_bins, extract_answer,
+                                               flops_multiplier, inference_flops, is_correct, majority_vote,
+                                               matched_samples, oracle_bins, parse_step, predicted_bins,
+                                               pretrain_flops, problems, revision_chains, select_chains,
+                                               selection_stability, solution_prompt, splits, step_holds, step_labels,
+                                               two_folds, weighted_best_of_n)
 
 
 # --- the grader ---------------------------------------------------------------------------------------------------
@@ -225,3 +230,134 @@ def test_lookahead_costs_n_times_k_plus_one_a_round_when_rollouts_run_full():
 def test_search_config_needs_n_a_multiple_of_the_beam_width():
     with pytest.raises(ConfigError, match="multiple"):
         SearchConfig(n=10, beam_width=4)
+
+
+# --- revisions ----------------------------------------------------------------------------------------------------
+
+def test_revision_prompt_keeps_the_four_most_recent_attempts_oldest_first():
+    prompt = solution_prompt("What is 2 + 2?", [f"Answer: {i}" for i in range(1, 7)])
+    assert prompt == ("What is 2 + 2?\n\nAttempt 1:\nAnswer: 3\n\nAttempt 2:\nAnswer: 4\n\n"
+                      "Attempt 3:\nAnswer: 5\n\nAttempt 4:\nAnswer: 6\n\nSolution:\n")
+    assert solution_prompt("Q") == "Q\n\nSolution:\n"
+
+
+def test_revision_chains_run_in_lockstep_with_one_call_a_round():
+    calls = []
+    def revise(prompts):
+        calls.append(prompts)
+        return [f"Answer: {p.count('Attempt ')}" for p in prompts]
+    chains = revision_chains("Q", revise, chains=3, length=6, context=4)
+    assert len(calls) == 6 and all(len(c) == 3 for c in calls)     # 18 generations in 6 batched calls
+    assert chains == [[f"Answer: {n}" for n in (0, 1, 2, 3, 4, 4)]] * 3
+
+
+def test_splits_cover_every_sequential_to_parallel_ratio_of_the_budget():
+    assert splits(16) == [(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)]
+    assert all(c * length == 256 for c, length in splits(256)) and len(splits(256)) == 9
+    with pytest.raises(ValueError):
+        splits(6)
+
+
+def test_chain_selection_chooses_within_each_chain_then_across_chains():
+    answers, scores = [[1, 2, 2], [3, 3, 1]], [[0.875, 0.25, 0.25], [0.5, 0.5, 0.125]]
+    assert select_chains(answers, scores) == 3               # winners 1 (0.875) and 3 (1.0)
+    assert weighted_best_of_n(sum(answers, []), sum(scores, [])) == 1  # pooled: 1 and 3 tie at 1.0
+    assert select_chains(answers, scores, "majority") == 2   # winners 2 and 3, one vote each
+    assert select_chains([[4], [5], [5]], [[0.9], [0.3], [0.4]]) == weighted_best_of_n([4, 5, 5], [0.9, 0.3, 0.4])
+
+
+# --- difficulty and compute-optimal selection ---------------------------------------------------------------------
+
+def test_difficulty_bins_are_equal_count_quintiles_easiest_first():
+    bins = difficulty_bins(np.linspace(1, 0, 500))
+    assert bins.tolist() == np.repeat([1, 2, 3, 4, 5], 100).tolist()
+    correct = np.arange(4)[None, :] < np.array([1, 4, 0, 3, 2])[:, None]  # (5, 4): pass@1 ¼, 1, 0, ¾, ½
+    assert oracle_bins(correct).tolist() == [4, 1, 5, 2, 3]
+    assert predicted_bins(np.tile(np.linspace(1, 0, 10)[:, None], 4)).tolist() == np.repeat([1, 2, 3, 4, 5], 2).tolist()
+
+
+def test_two_fold_cross_validation_chooses_on_one_fold_and_scores_the_other():
+    acc = np.array([[1, 1, 0, 0, 0, 0, 1, 0],
+                    [0, 1, 1, 1, 1, 1, 0, 1]])
+    bins, folds = np.array([1, 1, 1, 1, 2, 2, 2, 2]), np.array([0, 0, 1, 1, 0, 0, 1, 1])
+    cv = compute_optimal(acc, bins, folds)
+    assert cv.choice.tolist() == [[0, 1], [1, 0]]
+    assert cv.per_question.tolist() == [0, 1, 0, 0, 0, 0, 0, 1] and cv.accuracy == 0.25
+    with pytest.raises(ValueError, match="each fold"):
+        compute_optimal(acc, bins, np.zeros(8, dtype=int))
+
+
+def test_cross_validation_removes_the_optimism_of_choosing_among_noise():
+    rng = np.random.default_rng(0)
+    acc = (rng.random((40, 500)) < 0.5).astype(float)  # 40 strategies, all coin flips
+    bins = np.repeat([1, 2, 3, 4, 5], 100)
+    in_sample = np.mean([acc[:, bins == b].mean(1).max() for b in range(1, 6)])
+    cv = compute_optimal(acc, bins, two_folds(bins, seed=0)).accuracy
+    assert in_sample > 0.6 and abs(cv - 0.5) < 0.05
+
+
+def test_two_folds_halve_every_bin():
+    folds = two_folds(np.repeat([1, 2, 3], [10, 11, 1]), seed=0)
+    assert [folds[:10].sum(), folds[10:21].sum(), folds[21:].sum()] == [5, 5, 0]
+
+
+def test_selection_stability_is_zero_for_clear_winners_and_large_for_near_ties():
+    rng = np.random.default_rng(1)
+    bins = np.repeat([1, 2, 3, 4, 5], 100)
+    far = np.vstack([rng.random(500) < 0.1, rng.random(500) < 0.9])
+    assert selection_stability(far, bins, n_boot=100).changed.tolist() == [0.0] * 5
+    same = np.vstack([rng.random(500) < 0.4] * 2)  # identical strategies: the first always wins the tie
+    assert selection_stability(same, bins, n_boot=50).changed.tolist() == [0.0] * 5
+    near = np.vstack([rng.random(500) < 0.40, rng.random(500) < 0.41])
+    stab = selection_stability(near, bins, n_boot=200)
+    assert stab.frequency.sum(1).tolist() == pytest.approx([1.0] * 5) and stab.changed.mean() > 0.15
+
+
+# --- FLOPs --------------------------------------------------------------------------------------------------------
+
+def test_flops_multiplier_is_the_study_formula_for_a_14x_larger_model():
+    # M + 3 (D_pre / D_inf)(M − 1) with M = 14: 14 + 39 / R
+    assert flops_multiplier(14, 0.16) == pytest.approx(257.75)
+    assert flops_multiplier(14, 0.79) == pytest.approx(14 + 39 / 0.79)
+    assert flops_multiplier(14, 22) == pytest.approx(14 + 39 / 22)
+    assert [matched_samples(14, r) for r in (0.16, 0.79, 22)] == [257, 63, 15]
+    assert matched_samples(2, 3) == 3 and matched_samples(2, 3, samples=8) == 24  # 2 + 3·1/3
+    assert matched_samples(8, 0.14) == 158  # 8 + 21 / 0.14 is 157.99999999999997 in floating point
+    with pytest.raises(ValueError):
+        flops_multiplier(0.5, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1e6, 1e11), st.floats(1, 100), st.floats(1e9, 1e13), st.floats(1e6, 1e13))
+def test_matched_inference_makes_total_flops_equal(params, ratio, d_pre, d_inf):
+    k = flops_multiplier(ratio, d_inf / d_pre)
+    small = pretrain_flops(params, d_pre) + inference_flops(params, k * d_inf)
+    large = pretrain_flops(ratio * params, d_pre) + inference_flops(ratio * params, d_inf)
+    assert small == pytest.approx(large, rel=1e-9)
+
+
+# --- bootstrap ----------------------------------------------------------------------------------------------------
+
+def test_bootstrap_percentiles_on_a_two_question_case():
+    # resampled means of [0, 1] are 0, ½, 1 with mass ¼, ½, ¼: the 2.5 % and 97.5 % points are 0 and 1
+    assert bootstrap_ci([0.0, 1.0], n_boot=4000) == (0.0, 1.0)
+    lo, hi = bootstrap_ci([0.0, 1.0], level=0.4, n_boot=4000)
+    assert (lo, hi) == (0.5, 0.5)  # the 30 % and 70 % points both fall on ½
+
+
+def test_bootstrap_interval_covers_the_true_mean_at_the_nominal_rate():
+    rng = np.random.default_rng(0)
+    samples = rng.normal(0.3, 1.0, size=(400, 60))  # 400 experiments of 60 questions, true mean 0.3
+    lo, hi = bootstrap_ci(samples, level=0.9, n_boot=1000, seed=1)
+    coverage = np.mean((lo <= 0.3) & (0.3 <= hi))
+    assert 0.85 <= coverage <= 0.94
+
+
+def test_study_config_reads_nested_sections_and_refuses_bad_values():
+    cfg = from_dict(StudyConfig, {"budgets": [1, 2, 4], "search": {"n": 8, "lookahead": 3}, "revision": {"context": 2}})
+    assert (cfg.search.budget, cfg.revision.context, cfg.bins) == (32, 2, 5)
+    assert StudyConfig().inference_ratios == [0.16, 0.79, 22.0] and StudyConfig().budgets[-1] == 256
+    for bad, message in [({"budgets": [3]}, "powers of two"), ({"bins": 1}, "outside"),
+                         ({"inference_ratios": [0.0]}, "R > 0"), ({"revision": {"selection": "vote"}}, "verifier")]:
+        with pytest.raises(ConfigError, match=message):
+            from_dict(StudyConfig, bad)

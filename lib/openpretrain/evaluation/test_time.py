@@ -24,7 +24,10 @@ __all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY',
            'answer_line', 'Problem', 'WordProblemConfig', 'problems', 'make_problem', 'parse_integer', 'extract_answer',
            'is_correct', 'parse_step', 'step_holds', 'solution_lines', 'step_labels', 'majority_vote',
            'weighted_best_of_n', 'best_of_n', 'accuracy_at_budget', 'aggregate', 'SearchConfig', 'SearchResult',
-           'rollout', 'beam_search']
+           'rollout', 'beam_search', 'RevisionConfig', 'solution_prompt', 'revision_chains', 'splits', 'select_chains',
+           'difficulty_bins', 'oracle_bins', 'predicted_bins', 'two_folds', 'CrossValidated', 'compute_optimal',
+           'pretrain_flops', 'inference_flops', 'flops_multiplier', 'matched_samples', 'bootstrap_means',
+           'bootstrap_ci', 'Stability', 'selection_stability', 'StudyConfig']
 
 # %% ../../../nbs/18_test_time.ipynb #ed3ea4d3
 @dataclass(frozen=True)
@@ -357,3 +360,166 @@ def beam_search(expand: Callable, score: Callable, done: Callable, cfg: SearchCo
         active = [candidates[keep[j % len(keep)]] for j in range(cfg.n)]  # each kept beam M times, round-robin
     beams, kept = zip(*finished[:cfg.n]) if finished else ((), ())
     return SearchResult(list(beams), np.array(kept, dtype=float), rounds, spent, cfg.budget)
+
+# %% ../../../nbs/18_test_time.ipynb #7c2574b6
+@dataclass(kw_only=True)
+class RevisionConfig:
+    context: int = bounded(4, 0)  # previous attempts in a revision prompt, the most recent (study: trained with up to 4)
+    selection: str = "verifier"   # verifier (best-of-N weighted) | majority, within each chain, then across chains
+
+    def __post_init__(self):
+        if self.selection not in ("verifier", "majority"):
+            raise ConfigError(f"revision.selection: {self.selection!r}, expected verifier | majority")
+
+def solution_prompt(question: str, attempts: Sequence[str] = (), context: int = 4) -> str:
+    "The prompt of the next attempt: the question, the last `context` earlier attempts (oldest first), `Solution:`."
+    shown = list(attempts)[max(len(attempts) - context, 0):]
+    return "\n\n".join([question, *(f"Attempt {i}:\n{a.strip()}" for i, a in enumerate(shown, 1)), "Solution:\n"])
+
+def revision_chains(question: str, revise: Callable, chains: int, length: int, context: int = 4) -> list[list[str]]:
+    "`chains` chains of `length` attempts; `revise(prompts) -> texts` is called once a round, for every chain at once."
+    attempts = [[] for _ in range(chains)]  # (C, L) once done
+    for _ in range(length):
+        texts = revise([solution_prompt(question, chain, context) for chain in attempts])
+        for chain, text in zip(attempts, texts):
+            chain.append(text)
+    return attempts
+
+# %% ../../../nbs/18_test_time.ipynb #65fdd962
+def splits(budget: int) -> list[tuple[int, int]]:
+    "Every (chains, length) with chains·length = budget, a power of two: fully parallel (budget, 1) … fully sequential (1, budget)."
+    if budget < 1 or budget & (budget - 1):
+        raise ValueError(f"budget {budget} is not a power of two")
+    return [(budget >> j, 1 << j) for j in range(budget.bit_length())]
+
+def select_chains(answers: Sequence[Sequence], scores: Sequence[Sequence[float]], how: str = "verifier"):
+    "The final answer of C revision chains (answers, scores: (C, L)): each chain's winner, then the winner among chains."
+    if how not in ("verifier", "majority"):
+        raise ValueError(f"selection {how!r}: expected verifier | majority")
+    winners, weights = [], []
+    for chain, chain_scores in zip(answers, scores):
+        totals = _tally(chain, chain_scores if how == "verifier" else np.ones(len(chain)))
+        winners.append(_winner(totals))
+        weights.append(totals.get(winners[-1], 0.0) if how == "verifier" else 1.0)
+    return _winner(_tally(winners, weights))
+
+# %% ../../../nbs/18_test_time.ipynb #e5fb36a2
+def difficulty_bins(values: Sequence[float], bins: int = 5) -> np.ndarray:
+    "Equal-count quantile bins of a per-question value (Q,): 1 for the largest values (the easiest) … `bins`."
+    values = np.asarray(values, dtype=float)
+    order = np.argsort(-values, kind="stable")  # easiest first, ties in question order
+    out = np.empty(len(values), dtype=int)
+    out[order] = np.arange(len(values)) * bins // len(values) + 1
+    return out
+
+def oracle_bins(correct, bins: int = 5) -> np.ndarray:
+    "Bins of pass@1 from the correctness of S samples per question (Q, S): needs the true answers."
+    return difficulty_bins(np.asarray(correct, dtype=float).mean(1), bins)
+
+def predicted_bins(final_scores, bins: int = 5) -> np.ndarray:
+    "Bins of the verifier's mean final-answer score over S samples per question (Q, S): needs no true answer."
+    return difficulty_bins(np.asarray(final_scores, dtype=float).mean(1), bins)
+
+# %% ../../../nbs/18_test_time.ipynb #2b01b488
+def two_folds(bins: Sequence[int], seed: int | np.random.Generator = 0) -> np.ndarray:
+    "A fold, 0 or 1, per question: each bin's questions shuffled and dealt alternately into two halves."
+    rng, bins = np.random.default_rng(seed), np.asarray(bins)
+    folds = np.empty(len(bins), dtype=int)
+    for b in np.unique(bins):
+        folds[rng.permutation(np.flatnonzero(bins == b))] = np.arange((bins == b).sum()) % 2
+    return folds
+
+@dataclass
+class CrossValidated:
+    accuracy: float           # the mean over questions, each scored by the strategy chosen on the other fold
+    per_question: np.ndarray  # (Q,)
+    choice: np.ndarray        # (bins, 2): the strategy chosen on fold f, which scores the questions of fold 1 − f
+
+def compute_optimal(acc, bins: Sequence[int], folds: Sequence[int]) -> CrossValidated:
+    "Two-fold cross-validated compute-optimal selection: per bin, the best strategy on one fold scores the other."
+    acc, bins, folds = np.asarray(acc, dtype=float), np.asarray(bins), np.asarray(folds)  # (S, Q), (Q,), (Q,)
+    labels = np.unique(bins)
+    choice, per_question = np.empty((len(labels), 2), dtype=int), np.empty(acc.shape[1])
+    for i, b in enumerate(labels):
+        for f in (0, 1):
+            chosen_on, scored_on = (bins == b) & (folds == f), (bins == b) & (folds != f)
+            if not chosen_on.any() or not scored_on.any():
+                raise ValueError(f"difficulty bin {b}: each fold needs at least one question")
+            choice[i, f] = np.argmax(acc[:, chosen_on].mean(1))
+            per_question[scored_on] = acc[choice[i, f], scored_on]
+    return CrossValidated(float(per_question.mean()), per_question, choice)
+
+# %% ../../../nbs/18_test_time.ipynb #6245b984
+def pretrain_flops(params: float, tokens: float) -> float:
+    "X = 6·N·D_pretrain."
+    return 6 * params * tokens
+
+def inference_flops(params: float, tokens: float) -> float:
+    "Y = 2·N·D_inference."
+    return 2 * params * tokens
+
+def flops_multiplier(ratio: float, inference_ratio: float) -> float:
+    "The small model's inference multiplier against a model `ratio` times larger: M + 3(M − 1)/R, R = D_inf / D_pre."
+    if ratio < 1 or inference_ratio <= 0:
+        raise ValueError(f"need ratio ≥ 1 and R > 0, got {ratio}, {inference_ratio}")
+    return ratio + 3 * (ratio - 1) / inference_ratio
+
+def matched_samples(ratio: float, inference_ratio: float, samples: int = 1) -> int:
+    "Samples the small model may spend where the larger one spends `samples` (the study: 1, greedy), FLOPs matched."
+    return math.floor(flops_multiplier(ratio, inference_ratio) * samples * (1 + 1e-12))  # not lost to rounding
+
+# %% ../../../nbs/18_test_time.ipynb #1979a67b
+def bootstrap_means(values, n_boot: int = 2000, seed: int = 0) -> np.ndarray:
+    "Means of `n_boot` resamples of the questions (last axis) with replacement: (..., Q) → (..., n_boot)."
+    values = np.asarray(values, dtype=float)
+    q = values.shape[-1]
+    counts = np.random.default_rng(seed).multinomial(q, np.full(q, 1 / q), size=n_boot)  # (n_boot, Q) draws of each
+    return values @ counts.T / q
+
+def bootstrap_ci(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    "Percentile bootstrap interval of the mean over questions: (lo, hi), each of shape (...)."
+    lo, hi = np.quantile(bootstrap_means(values, n_boot, seed), [(1 - level) / 2, (1 + level) / 2], axis=-1)
+    return lo, hi
+
+# %% ../../../nbs/18_test_time.ipynb #ef86d7ae
+@dataclass
+class Stability:
+    reference: np.ndarray  # (bins,) the strategy chosen on all of a bin's questions
+    frequency: np.ndarray  # (bins, S) how often each strategy is chosen, over replicates and folds
+
+    @property
+    def changed(self) -> np.ndarray:
+        "(bins,) the share of choices that differ from the reference."
+        return 1 - self.frequency[np.arange(len(self.reference)), self.reference]
+
+def selection_stability(acc, bins: Sequence[int], n_boot: int = 1000, seed: int = 0) -> Stability:
+    "How often the two-fold compute-optimal choice changes when each bin's questions are resampled and re-split."
+    acc, bins = np.asarray(acc, dtype=float), np.asarray(bins)  # (S, Q), (Q,)
+    labels, rng = np.unique(bins), np.random.default_rng(seed)
+    reference = np.array([np.argmax(acc[:, bins == b].mean(1)) for b in labels])
+    counts = np.zeros((len(labels), acc.shape[0]))
+    for _ in range(n_boot):
+        idx = np.concatenate([rng.choice(np.flatnonzero(bins == b), (bins == b).sum()) for b in labels])
+        choice = compute_optimal(acc[:, idx], bins[idx], two_folds(bins[idx], rng)).choice  # (bins, 2)
+        np.add.at(counts, (np.repeat(np.arange(len(labels)), 2), choice.ravel()), 1)
+    return Stability(reference, counts / (2 * n_boot))
+
+# %% ../../../nbs/18_test_time.ipynb #e4636421
+@dataclass(kw_only=True)
+class StudyConfig:
+    budgets: list[int] = field(default_factory=lambda: [2 ** i for i in range(9)])  # generations per question (study: 1 … 256, some to 512)
+    bins: int = bounded(5, 2)                      # difficulty bins (study: 5 quantiles)
+    difficulty_samples: int = bounded(2048, 1)     # samples per question that set its difficulty (study: 2,048, uncounted)
+    param_ratio: float = bounded(14.0, 1)          # the larger model's parameters over ours (study: ~14×)
+    inference_ratios: list[float] = field(default_factory=lambda: [0.16, 0.79, 22.0])  # R = D_inference / D_pretrain (study: 0.16, 0.79, 22)
+    n_boot: int = bounded(2000, 1)                 # bootstrap replicates (study: no intervals)
+    level: float = bounded(0.95, 0.5, 0.999)       # confidence of the intervals (study: none)
+    word_problems: WordProblemConfig = field(default_factory=WordProblemConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    revision: RevisionConfig = field(default_factory=RevisionConfig)
+
+    def __post_init__(self):
+        if not self.budgets or any(b < 1 or b & (b - 1) for b in self.budgets):
+            raise ConfigError(f"budgets: {self.budgets}: need powers of two (1, 2, 4, …)")
+        if not self.inference_ratios or min(self.inference_ratios) <= 0:
+            raise ConfigError(f"inference_ratios: {self.inference_ratios}: need R > 0")
