@@ -5,24 +5,19 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import torch
 
-from openpretrain.__main__ import main as cli
-from openpretrain.core import to_dict
-from openpretrain.models.common import generate
-from openpretrain.models.dense import DenseConfig
-from openpretrain.models.registry import build_model
-from openpretrain.posttrain.server import ChatClient, ChatError, ServeConfig, app, load_served, serving
-from openpretrain.posttrain.sft import END, SFTLoader, chat_ids, chat_start, chat_tokenizer, render, sft_rows
-from openpretrain.tokenization import load_tokenizer
-from openpretrain.training.checkpoint import save_checkpoint
+from chat_models import TOK, chat_checkpoint
 
-BASE = load_tokenizer("bpe-bal-2k")
-TOK = chat_tokenizer(BASE)
+from openpretrain.__main__ import main as cli
+from openpretrain.models.common import generate
+from openpretrain.posttrain.server import ChatClient, ChatError, Served, ServeConfig, app, load_served, serving
+from openpretrain.posttrain.sft import END, chat_ids, render
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
 
@@ -30,15 +25,7 @@ NAME = "openpretrain"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     "A verified chat checkpoint (a random 2-layer base grown by the four markers) with its tokenizer.json above it."
-    root = tmp_path_factory.mktemp("chat")
-    TOK.tok.save(str(root / "tokenizer.json"))
-    config = DenseConfig(vocab_size=BASE.vocab_size, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64,
-                         max_seq_len=128)
-    model = build_model(config)
-    rows = sft_rows(TOK, [{"id": "a", "messages": HELLO}], 128)
-    base = save_checkpoint(root / "base", model, torch.optim.AdamW(model.parameters()), SFTLoader(rows, 1, TOK.bos_id),
-                           0, "full", {"model": to_dict(config)})
-    return chat_start(config, base, DenseConfig(**{**to_dict(config), "vocab_size": TOK.vocab_size}), root / "start")
+    return chat_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +158,38 @@ def test_models_and_unknown_routes(url):
     assert [m["id"] for m in httpx.get(f"{url}/models").json()["data"]] == [NAME]
     assert httpx.get(f"{url}/nowhere").json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(f"{url}/chat/completions").status_code == 405
+
+
+class Gated(torch.nn.Module):
+    "A model whose every forward waits for `go`, so that a test can hold a request in the middle of its decoding."
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner, self.started, self.go = inner, threading.Event(), threading.Event()
+
+    def init_cache(self, *args, **kwargs):
+        return self.inner.init_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.started.set()
+        self.go.wait(30)
+        return self.inner(*args, **kwargs)
+
+
+def test_a_request_beyond_the_slot_and_queue_is_503_and_the_server_stays_up(served):
+    gated = Gated(served.model)
+    with serving(app(Served(gated, served.tokenizer, served.name, served.context),
+                     ServeConfig(max_concurrency=1, max_queue=0, max_tokens=8))) as base_url:
+        try:
+            first = ThreadPoolExecutor(1).submit(chat, base_url, temperature=0, max_tokens=4)
+            assert gated.started.wait(30), "the first request never reached the model"
+            second = chat(base_url, temperature=0, max_tokens=4)          # while the first holds the only slot
+        finally:
+            gated.go.set()
+        error = second.json()["error"]
+        assert second.status_code == 503 and (error["type"], error["code"], error["param"]) == ("server_error", "busy", None)
+        assert "busy" in error["message"] and first.result(30).status_code == 200
+        assert chat(base_url, temperature=0, max_tokens=4).status_code == 200   # the slot is free again
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
 
 
 # ---- the client, against a fake server ---------------------------------------------------------------------------
