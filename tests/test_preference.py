@@ -13,14 +13,13 @@ from tiny_runs import small_preset
 from openpretrain.core import to_dict
 from openpretrain.models.registry import build_model
 from openpretrain.posttrain.preference import (DPOConfig, PairConfig, PreferenceBatch, PreferenceLoader,
-                                               PreferenceObjective, QRPOConfig, beta_log_z, completion_beta,
-                                               dpo_losses, identity_beta_log_z, preference_rows, qrpo_losses,
-                                               quantile_reward, select_pairs)
-from openpretrain.posttrain.sft import sft_preset
+                                               PreferenceObjective, QRPOConfig, align, alignment_preset, beta_log_z,
+                                               completion_beta, dpo_losses, identity_beta_log_z, preference_rows,
+                                               qrpo_losses, quantile_reward, select_pairs)
 from openpretrain.tokenization import load_tokenizer
-from openpretrain.training.checkpoint import export_hf, latest_valid_checkpoint, load_model, save_checkpoint
-from openpretrain.training.plan import fingerprint, plan
-from openpretrain.training.trainer import read_metrics, train
+from openpretrain.training.checkpoint import export_hf, load_model, save_checkpoint, verify_checkpoint
+from openpretrain.training.plan import plan
+from openpretrain.training.trainer import read_metrics
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 
@@ -176,7 +175,7 @@ def test_our_dpo_equals_trl_dpo_trainer_sigmoid_norm(tmp_path):
     assert abs(ours - theirs) < 1e-5 and abs(theirs - 0.6931) > 1e-2, (ours, theirs)
 
 
-def test_a_qrpo_run_through_train_raises_the_chosen_and_lowers_the_rejected(tmp_path):
+def test_a_qrpo_run_through_align_raises_the_chosen_and_lowers_the_rejected(tmp_path):
     tok = load_tokenizer("bpe-bal-2k")
     texts = [pair_texts(i) for i in range(8)]
     prompts = [[tok.bos_id, *tok.encode(t["prompt"])] for t in texts]
@@ -185,18 +184,19 @@ def test_a_qrpo_run_through_train_raises_the_chosen_and_lowers_the_rejected(tmp_
     assert torch.equal(quantile_reward(data.rewards, data.ref_rewards), torch.tensor([[1.0, 0.1]]).expand(8, 2))
     tok_path = tmp_path / "tokenizer.json"
     tok.tok.save(str(tok_path))
-    pl = plan(sft_preset(small_preset(micro_batch=1, lr=3e-3, batch_size=4, warmup=0.25), tok_path, tok.vocab_size, 8))
+    p = small_preset(micro_batch=1, warmup=0.25)
+    p.raw["alignment"] = {"lr": 3e-3, "batch_size": 4, "epochs": 1, "curve_points": 2}
+    pl = plan(alignment_preset(p, tok_path, tok.vocab_size, 8))
+    assert pl.steps == 2 and pl.accumulation(0) == 4                                # 4 prompts a step, one a micro-batch
     torch.manual_seed(0)
     start = build_model(pl.model)
     init = save_checkpoint(tmp_path / "start", start, torch.optim.SGD(start.parameters()), PreferenceLoader(data, 1), 0,
-                           "full", fingerprint(pl))
+                           "full", {"model": to_dict(pl.model)})
+    kept = align(p, init, tok_path, tmp_path / "run", data, QRPOConfig())
+    assert [verify_checkpoint(c)["step"] for c in kept] == [1, 2]                   # the curve point, then the final one
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
     objective = PreferenceObjective(load_model(pl.model, init), QRPOConfig())
-    def loader(pl_, tokenizer, rank, world_size, label_mask):
-        return PreferenceLoader(data, pl_.train.micro_batch, rank, world_size, pl_.preset.seed)
-    metrics = train(pl, tmp_path / "run", objective=objective, loader_factory=loader, init=init)
-    rows = read_metrics(metrics)
-    assert len(rows) == pl.steps == 2 and pl.accumulation(0) == 4                # 4 prompts a step, one a micro-batch
-    final = load_model(pl.model, latest_valid_checkpoint(tmp_path / "run" / "checkpoints", fingerprint(pl)))
     with torch.no_grad():
-        moved = objective.logratio(final, data).mean(0)                           # (2,): chosen, rejected
+        moved = objective.logratio(load_model(pl.model, kept[-1]), data).mean(0)   # (2,): chosen, rejected
     assert moved[0] > 0 > moved[1], moved
+    assert align(p, init, tok_path, tmp_path / "run", data, QRPOConfig()) == kept  # a finished run resumes to itself

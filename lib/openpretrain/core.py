@@ -191,6 +191,7 @@ SECTIONS = (
     "evaluation",      # 13: lm-evaluation-harness
     "serving",         # 14: decode throughput
     "sft",             # 16: supervised fine-tuning
+    "alignment",       # 17: preference optimisation (QRPO, DPO)
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 
