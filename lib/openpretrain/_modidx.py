@@ -1335,6 +1335,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'openpretrain/posttrain/preference.py'),
                                                    'openpretrain.posttrain.preference.sample_replies': ( 'alignment.html#sample_replies',
                                                                                                          'openpretrain/posttrain/preference.py'),
+                                                   'openpretrain.posttrain.preference.scored_references': ( 'alignment.html#scored_references',
+                                                                                                            'openpretrain/posttrain/preference.py'),
                                                    'openpretrain.posttrain.preference.select_pairs': ( 'alignment.html#select_pairs',
                                                                                                        'openpretrain/posttrain/preference.py'),
                                                    'openpretrain.posttrain.preference.sequence_kl': ( 'alignment.html#sequence_kl',

@@ -36,8 +36,8 @@ from ..training.trainer import train
 __all__ = ['TRANSFORMS', 'LOG_Z', 'quantile_reward', 'transform', 'identity_beta_log_z', 'beta_log_z', 'QRPOConfig',
            'completion_beta', 'qrpo_losses', 'DPOConfig', 'dpo_losses', 'PairConfig', 'Pairs', 'select_pairs',
            'completion_logps', 'preference_rows', 'PreferenceBatch', 'PreferenceObjective', 'PreferenceLoader',
-           'AlignmentConfig', 'alignment_preset', 'sample_replies', 'chrf_rewards', 'preference_data', 'align',
-           'reply_logps', 'sequence_kl', 'held_out']
+           'AlignmentConfig', 'alignment_preset', 'sample_replies', 'chrf_rewards', 'scored_references',
+           'preference_data', 'align', 'reply_logps', 'sequence_kl', 'held_out']
 
 # %% ../../../nbs/17_alignment.ipynb #711fe726
 def quantile_reward(rewards: Tensor, ref_rewards: Tensor) -> Tensor:
@@ -298,6 +298,15 @@ def chrf_rewards(tokenizer, replies: list[list[list[int]]], references: list[str
     return torch.tensor([[sacrebleu.sentence_chrf(tokenizer.tok.decode(y), [ref]).score for y in ys]
                          for ys, ref in zip(replies, references, strict=True)], dtype=torch.float64)
 
+# %% ../../../nbs/17_alignment.ipynb #be63028b
+def scored_references(config, checkpoint: str | os.PathLike, tokenizer_path: str | os.PathLike, prompts: list[list[int]],
+                      references: list[str], c: AlignmentConfig, seed: int) -> tuple[list[list[list[int]]], Tensor]:
+    "π_ref's `n_refs` sampled completions of every prompt and their chrF rewards (P, n), drawn under `seed`."
+    tok = HFTokenizer.from_file(tokenizer_path)
+    replies = sample_replies(load_model(config, checkpoint).eval(), prompts, c.pairs.n_refs, c.max_new_tokens,
+                             chat_ids(tok)[END], c.temperature, seed)
+    return replies, chrf_rewards(tok, replies, references)
+
 # %% ../../../nbs/17_alignment.ipynb #5ed74c16
 def preference_data(prompts: list[list[int]], replies: list[list[list[int]]], rewards: Tensor, c: PairConfig,
                     pad_id: int) -> tuple[PreferenceBatch, Pairs]:
@@ -340,12 +349,14 @@ def sequence_kl(policy: nn.Module, reference: nn.Module, prompts: list[list[int]
 # %% ../../../nbs/17_alignment.ipynb #7d79ebe4
 def held_out(config, checkpoint: str | os.PathLike, reference: str | os.PathLike, tokenizer_path: str | os.PathLike,
              asks: list[list[dict]], references: list[str], c: AlignmentConfig, seed: int) -> pd.DataFrame:
-    "Per held-out item: the greedy answer and its length, and over `eval_samples` answers the mean chrF and KL term."
+    "Per held-out item: the greedy answer and its length; over `eval_samples` answers the mean chrF, KL term and turns closed."
     tok = HFTokenizer.from_file(tokenizer_path)
+    end = chat_ids(tok)[END]
     model, ref = load_model(config, checkpoint).eval(), load_model(config, reference).eval()
     prompts = [render(tok, m, add_generation_prompt=True)[0] for m in asks]
-    sampled = sample_replies(model, prompts, c.eval_samples, c.max_new_tokens, chat_ids(tok)[END], 1.0, seed)
+    sampled = sample_replies(model, prompts, c.eval_samples, c.max_new_tokens, end, 1.0, seed)
     greedy = translate(model, tok, asks, c.max_new_tokens)
     return pd.DataFrame({"hypothesis": greedy, "length": [len(tok.encode(h)) for h in greedy],
                          "sampled chrF": chrf_rewards(tok, sampled, references).mean(1).numpy(),
-                         "KL": sequence_kl(model, ref, prompts, sampled, 0).mean(1).numpy()})
+                         "KL": sequence_kl(model, ref, prompts, sampled, 0).mean(1).numpy(),
+                         "closed": [np.mean([y[-1] == end for y in ys]) for ys in sampled]})
