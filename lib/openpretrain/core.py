@@ -192,6 +192,7 @@ SECTIONS = (
     "serving",         # 14: decode throughput
     "sft",             # 16: supervised fine-tuning
     "alignment",       # 17: preference optimisation (QRPO, DPO)
+    "constitution",    # 17b: the two-track preference data and the charter judge
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 
