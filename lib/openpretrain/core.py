@@ -193,6 +193,7 @@ SECTIONS = (
     "sft",             # 16: supervised fine-tuning
     "alignment",       # 17: preference optimisation (QRPO, DPO)
     "constitution",    # 17b: the two-track preference data and the charter judge
+    "test_time",       # 18: test-time compute (verifiers, search, revisions, a FLOPs-matched larger model)
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 

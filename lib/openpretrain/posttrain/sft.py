@@ -299,8 +299,8 @@ def sft_data(c: SFTConfig, tokenizer) -> tuple[list[dict], pd.DataFrame, pd.Data
     return kept, test, pd.DataFrame(rows)
 
 # %% ../../../nbs/16_sft.ipynb #ef38248a
-def finetune(p: Preset, base_checkpoint: str | os.PathLike, out: str | os.PathLike, conversations: list[dict]) -> Path:
-    "Fine-tune preset `p`'s model from a base checkpoint on `conversations` into `out`; the final verified checkpoint."
+def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os.PathLike, conversations: list[dict]) -> Path:
+    "Fine-tune preset `p`'s model from a base checkpoint (None: a fresh initialisation) on `conversations` into `out`."
     c, out = p.section("sft", SFTConfig), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = chat_tokenizer(load_tokenizer(p))
@@ -309,7 +309,7 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike, out: str | os.PathLi
     os.replace(tmp, out / "tokenizer.json")
     rows = sft_rows(tok, conversations, c.seq_len, c.pack)
     pl = plan(sft_preset(p, out / "tokenizer.json", tok.vocab_size, len(rows.ids)))
-    start = chat_start(plan(p).model, base_checkpoint, pl.model, out / "start")
+    start = base_checkpoint and chat_start(plan(p).model, base_checkpoint, pl.model, out / "start")
     def loader(pl_, tokenizer, rank, world_size, label_mask):
         return SFTLoader(rows, pl_.train.micro_batch, tokenizer.bos_id, rank, world_size, pl_.preset.seed)
     train(pl, out / "run", resume=True, loader_factory=loader, init=start)
