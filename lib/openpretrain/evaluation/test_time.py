@@ -676,7 +676,7 @@ def verify(m: TaskModel, questions: list[str], solutions: list[list[str]], proce
     "The verifier's p(+) of each solution's lines (PRM: one per line; ORM: one): K solutions → K score lists."
     convs = []
     for q, lines in zip(questions, solutions, strict=True):
-        lines = lines if process else ["\n".join(lines)]
+        lines = lines if process or not lines else ["\n".join(lines)]
         convs.append(render(m.tok, verifier_turns(q, lines, [True] * len(lines)))[0] if lines else [])
     scores: list[list[float]] = [[] for _ in convs]
     order = sorted((i for i, c in enumerate(convs) if c), key=lambda i: len(convs[i]))
