@@ -86,3 +86,11 @@ def test_task_preset_carries_the_run_and_the_shape():
     assert {k: q.raw["sft"][k] for k in ("lr", "batch_size", "epochs", "seq_len", "pack")} == {"lr": 1e-3, "batch_size": 4, "epochs": 3, "seq_len": 512, "pack": True}
     assert (q.raw["model"]["d_model"], q.raw["seed"]) == (96, 7)
     assert base.raw["model"]["d_model"] != 96    # the base preset is untouched
+
+
+def test_monte_carlo_labels_of_an_answer_line_are_its_outcome(model):
+    p = PROBLEMS[2]
+    off = p.solution.replace(tt.answer_line(p.answer), tt.answer_line(p.answer + 1))
+    right, wrong = (tt.mc_labels(model, p, t, rollouts=2, max_new_tokens=8, temperature=1.0, seed=0) for t in (p.solution, off))
+    assert len(right) == len(p.steps) + 1 and right[-1] == 1.0 and wrong[-1] == 0.0   # the first answer line decides
+    assert all(0.0 <= v <= 1.0 for v in right + wrong)

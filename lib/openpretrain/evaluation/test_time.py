@@ -43,7 +43,7 @@ __all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY',
            'policy_conversation', 'verifier_turns', 'verifier_conversation', 'task_preset', 'fit', 'TaskModel',
            'seeded', 'sample_solutions', 'sample_steps', 'verify', 'search', 'nested_lengths', 'revise', 'Handle',
            'problem_seed', 'sample_job', 'verify_job', 'search_job', 'revise_job', 'edit_distance',
-           'revision_conversations']
+           'revision_conversations', 'mc_labels', 'mc_job']
 
 # %% ../../../nbs/18_test_time.ipynb #ed3ea4d3
 @dataclass(frozen=True)
@@ -553,6 +553,8 @@ class TestTimeConfig:
     test_problems: int = bounded(500, 1)      # held-out questions (study: 500, the split of Lightman et al.)
     verifier_problems: int = bounded(12000, 1)  # training problems the policy samples for the verifiers and the revisions
     verifier_samples: int = bounded(16, 1)    # policy samples per such problem: the verifiers' labels, the revision pairs
+    mc_solutions: int = bounded(256, 0)       # of those samples, the first ones also labelled by Monte-Carlo rollouts
+    mc_rollouts: int = bounded(16, 1)         # rollouts per line of such a sample (Math-Shepherd: 8; the study: MC, count not in the summary)
     max_new_tokens: int = bounded(192, 1)     # ids per sampled solution
     temperature: float = bounded(0.8, 0)      # every sample's temperature (search-and-learn: 0.8)
     step_tokens: int = bounded(32, 1)         # ids per generated search step
@@ -794,3 +796,19 @@ def revision_conversations(problem: Problem, texts: list[str], context: int, rng
         shown = [others[i] for i in rng.permutation(len(others))[:k - 1]] + [closest] if k else []
         out.append(policy_conversation(problem, tuple(shown), target, context))
     return out
+
+# %% ../../../nbs/18_test_time.ipynb #3c16eb59
+def mc_labels(m: TaskModel, problem: Problem, text: str, rollouts: int, max_new_tokens: int, temperature: float,
+              seed: int) -> list[float]:
+    "Per line of a sample: the share of `rollouts` continuations of the solution up to and including it that are right."
+    lines = solution_lines(text)
+    heads = ["\n".join(lines[:k + 1]) + "\n" for k in range(len(lines))]
+    base = m.ask(solution_prompt(problem.prompt))
+    tails = sample_replies(m.model, [base + m.tok.encode(h) for h in heads], rollouts, max_new_tokens, m.end, temperature, seed)
+    return [float(np.mean([is_correct(h + m.text(y), problem.answer) for y in ys])) for h, ys in zip(heads, tails)]
+
+def mc_job(h: Handle, items: list[tuple[Problem, str, int]], rollouts: int, max_new_tokens: int, temperature: float,
+           seed: int) -> list[list[float]]:
+    "Monte-Carlo labels of (problem, sample, the sample's number) items, each drawn under the problem and the number."
+    m = h.load()
+    return [mc_labels(m, p, t, rollouts, max_new_tokens, temperature, seeded(problem_seed(seed, p), k)) for p, t, k in items]
