@@ -747,12 +747,12 @@ def problem_seed(seed: int, problem: Problem) -> int:
     "The seed of everything drawn for one problem: the run's seed and the problem's id (its stream seed and index)."
     return seeded(seed, *(int(k) for k in problem.id.split("-")))
 
-def sample_job(h: Handle, problems: list[Problem], n: int, max_new_tokens: int, temperature: float, seed: int,
-               attempts: list[tuple[str, ...]] | None = None, context: int = 4) -> list[list[str]]:
-    "n solutions of every problem (P × n texts); with `attempts`, of its revision prompt."
+def sample_job(h: Handle, problems: list[Problem], n: int, max_new_tokens: int, temperature: float,
+               seed: int) -> list[list[str]]:
+    "n solutions of every problem: P × n texts."
     m = h.load()
-    return [sample_solutions(m, [solution_prompt(p.prompt, a, context)], n, max_new_tokens, temperature,
-                             problem_seed(seed, p))[0] for p, a in zip(problems, attempts or [()] * len(problems))]
+    return [sample_solutions(m, [solution_prompt(p.prompt)], n, max_new_tokens, temperature, problem_seed(seed, p))[0]
+            for p in problems]
 
 def verify_job(h: Handle, problems: list[Problem], texts: list[list[str]], process: bool) -> list[list[list[float]]]:
     "The verifier's line scores of every problem's texts: P × n × lines (ORM: one score a text)."
