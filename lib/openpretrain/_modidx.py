@@ -707,6 +707,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                     'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.TestTimeConfig': ( 'test_time.html#testtimeconfig',
                                                                                                          'openpretrain/evaluation/test_time.py'),
+                                                   'openpretrain.evaluation.test_time.TestTimeConfig.__post_init__': ( 'test_time.html#testtimeconfig.__post_init__',
+                                                                                                                       'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.WordProblemConfig': ( 'test_time.html#wordproblemconfig',
                                                                                                             'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.WordProblemConfig.__post_init__': ( 'test_time.html#wordproblemconfig.__post_init__',

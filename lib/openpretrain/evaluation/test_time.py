@@ -572,6 +572,15 @@ class TestTimeConfig:
     revision_budget: int = bounded(64, 1)     # the largest chains × length; every power-of-two split below it (study: 128)
     study: StudyConfig = field(default_factory=StudyConfig)  # budgets, bins, difficulty samples, FLOPs and bootstrap
 
+    def __post_init__(self):   # checked before anything trains: a bad sweep must not fail after the fine-tunes
+        powers = [*self.search_budgets, self.revision_budget]
+        if not self.search_budgets or any(b < 1 or b & (b - 1) for b in powers):
+            raise ConfigError(f"test_time: search_budgets {self.search_budgets} and revision_budget {self.revision_budget} "
+                              "need powers of two")
+        if self.revision_budget not in self.study.budgets or not self.lookahead or min(self.lookahead) < 1:
+            raise ConfigError(f"test_time: revision_budget {self.revision_budget} must be one of study.budgets "
+                              f"{self.study.budgets}, and lookahead {self.lookahead} a non-empty list of k ≥ 1")
+
 # %% ../../../nbs/18_test_time.ipynb #8024497e
 PLUS, MINUS = "+", "-"   # a verifier's two answers
 
