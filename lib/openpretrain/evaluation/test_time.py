@@ -561,7 +561,7 @@ class TestTimeConfig:
     seq_len: int = bounded(256, 1)            # ids per training row, conversations packed whole
     policy: TaskRun = field(default_factory=TaskRun)      # the policy's fine-tune from the pretrained model
     verifier: TaskRun = field(default_factory=TaskRun)    # the ORM's and the PRM's fine-tunes
-    revision_run: TaskRun = field(default_factory=TaskRun)  # the revision model's fine-tune
+    revision_run: TaskRun = field(default_factory=TaskRun)  # the revision model's fine-tune, from the policy
     larger: dict = field(default_factory=lambda: {"d_model": 256, "n_layers": 4, "mlp_hidden": 1024})  # its model overrides (study: PaLM 2-L)
     larger_run: TaskRun = field(default_factory=TaskRun)  # the larger model's training from scratch
     larger_samples: int = bounded(16, 1)      # samples per question from the larger model (study: greedy only)

@@ -198,6 +198,8 @@ def sft_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: int, ro
 # %% ../../../nbs/16_sft.ipynb #e9f018c8
 def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: str | os.PathLike) -> Path:
     "A verified checkpoint of the model of `config` (V + k ids): the base's weights, its k new vocabulary rows their mean."
+    if verify_checkpoint(Path(base_checkpoint))["fingerprint"]["model"] == to_dict(config):
+        return Path(base_checkpoint)                                      # already this chat model: nothing to grow
     root = Path(root) / sha256_file(Path(base_checkpoint) / "manifest.json")[:16]   # a base rewritten in place is another start
     if found := latest_valid_checkpoint(root):
         return found                                                      # a resumed run starts where it started
