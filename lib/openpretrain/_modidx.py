@@ -1525,6 +1525,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'openpretrain.report.last_timings': ('report.html#last_timings', 'openpretrain/report.py'),
                                      'openpretrain.report.loosest': ('report.html#loosest', 'openpretrain/report.py'),
                                      'openpretrain.report.machine_numerics': ('report.html#machine_numerics', 'openpretrain/report.py'),
+                                     'openpretrain.report.preset_parameters': ('report.html#preset_parameters', 'openpretrain/report.py'),
                                      'openpretrain.report.read_settings': ('report.html#read_settings', 'openpretrain/report.py'),
                                      'openpretrain.report.read_tolerance': ('report.html#read_tolerance', 'openpretrain/report.py'),
                                      'openpretrain.report.reuse_upstream': ('report.html#reuse_upstream', 'openpretrain/report.py'),

@@ -194,6 +194,7 @@ SECTIONS = (
     "alignment",       # 17: preference optimisation (QRPO, DPO)
     "constitution",    # 17b: the two-track preference data and the charter judge
     "test_time",       # 18: test-time compute (verifiers, search, revisions, a FLOPs-matched larger model)
+    "chapters",        # the report: chapter → papermill parameters this preset sets (the notebooks' defaults are tiny's)
 )
 RUN_KEYS = ("preset", "description", "seed", "device")
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from unittest import mock
 
-from .core import ConfigError, list_presets, project_root, sha256_file
+from .core import ConfigError, list_presets, load_preset, project_root, sha256_file
 
 # %% auto #0
 __all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
            'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
-           'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'with_upstream', 'last_timings', 'git_state',
-           'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance', 'within_tolerance',
-           'columns_within_tolerance', 'loosest', 'reuse_upstream', 'check_report', 'say_numerics']
+           'preset_parameters', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'with_upstream',
+           'last_timings', 'git_state', 'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance',
+           'within_tolerance', 'columns_within_tolerance', 'loosest', 'reuse_upstream', 'check_report', 'say_numerics']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -119,7 +119,25 @@ def check_settings(s: ReportSettings) -> ReportSettings:
     out = s.out_dir.resolve()
     if inside := next((d for d in SOURCE_FOLDERS if out.is_relative_to((project_root() / d).resolve())), None):
         raise ConfigError(f"outputs {s.outputs!r} puts the report inside {inside}/, which a report never writes")
+    preset_parameters(s.preset)
     return s
+
+def preset_parameters(preset: str | os.PathLike) -> dict[str, dict]:
+    "The preset's `chapters:` section, checked: chapter → the papermill parameters it sets, each one the chapter declares."
+    import papermill as pm
+    p = load_preset(preset)
+    chapters, nbs = p.raw.get("chapters") or {}, project_root() / "nbs"
+    for chapter, params in chapters.items():
+        src = nbs / f"{chapter}.ipynb"
+        if not src.is_file():
+            raise ConfigError(f"{p.path}: chapters.{chapter}: no such chapter under {nbs}")
+        if not isinstance(params, dict):
+            raise ConfigError(f"{p.path}: chapters.{chapter}: expected a mapping of parameters, got {params!r}")
+        declared = set(pm.inspect_notebook(str(src))) - set(SETTING_KEYS)   # the run's own keys come from the settings
+        if unknown := sorted(set(params) - declared):
+            raise ConfigError(f"{p.path}: chapters.{chapter}: {', '.join(unknown)} is not a parameter the chapter "
+                              f"declares; it declares {', '.join(sorted(declared))}")
+    return chapters
 
 SOURCE_FOLDERS = ("data", "nbs", "configs", "lib")  # the checkout's inputs and sources: never an output folder
 
@@ -144,6 +162,7 @@ def run_chapter(chapter: str, s: ReportSettings) -> float:
     dst.parent.mkdir(parents=True, exist_ok=True)
     run = dict(preset=s.preset, outputs=str(Path(s.outputs)), seed=s.seed, device=s.device)
     params = {k: v for k, v in run.items() if k in pm.inspect_notebook(str(src))}  # only what the chapter declares
+    params |= preset_parameters(s.preset).get(chapter, {})                         # and what the preset sets for it
     t0 = time.perf_counter()
     try:
         with mock.patch.dict(os.environ, chapter_env(s)):
