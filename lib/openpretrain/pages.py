@@ -22,9 +22,9 @@ from .core import VERDICTS, ConfigError
 
 # %% auto #0
 __all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'CSS', 'TWINS', 'LEDGER_COLUMNS', 'CLAIM_FIELDS', 'part_of',
-           'chapter_title', 'chapter_claim', 'page_anchors', 'Chapter', 'read_chapter', 'claim_tables',
-           'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims', 'sibling_presets',
-           'index_html', 'render_report']
+           'chapter_title', 'chapter_claim', 'page_anchors', 'Chapter', 'read_chapter', 'other_presets_html',
+           'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims',
+           'sibling_presets', 'index_html', 'render_report']
 
 # %% ../../nbs/90a_pages.ipynb #669faac1
 PARTS = (  # (part of the report, number of its first chapter); a part runs up to the next part's first number
@@ -131,12 +131,12 @@ class Chapter:
     anchors: _Anchors = field(repr=False)  # ids, headings per cell, refs of the page
     nb: dict = field(repr=False)           # the executed notebook
 
-def read_chapter(path: Path, manifest: dict) -> Chapter:
-    "Convert the executed notebook at `path` into its page, with title, claim and anchors."
+def read_chapter(path: Path, manifest: dict, others: str = "") -> Chapter:
+    "Convert the executed notebook at `path` into its page, with title, claim and anchors; `others`: HTML after it."
     import nbformat
     nb = nbformat.read(path, as_version=4)
     body, _ = _exporter().from_notebook_node(_prepare(nb))
-    page = _page(path.stem, chapter_title(nb), body, manifest)
+    page = _page(path.stem, chapter_title(nb), body + others, manifest)
     return Chapter(path.stem, chapter_title(nb), chapter_claim(nb), page, page_anchors(page), nb)
 
 def _page(name: str, title: str, body: str, manifest: dict) -> str:
@@ -187,6 +187,33 @@ def _artifacts_html(chapter: str, manifest: dict, up: str) -> str:
         items.append(f"<li>{esc(a['kind'])}: <a href='{up}{esc(a['path'])}'>{esc(p.name)}</a>{extra} "
                      f"<span class='meta'>({a['bytes']:,} bytes)</span></li>")
     return f"<section id='artifacts'><h2>Tables and figures</h2><ul>{''.join(items)}</ul></section>"
+
+# %% ../../nbs/90a_pages.ipynb #dc0481e9
+def other_presets_html(out: Path, chapter: str) -> str:
+    "`chapter` under the other presets beside `out`: each one's page, commit and paper-vs-ours tables that differ from ours."
+    esc, parts = html.escape, []
+    for preset in sibling_presets(out):
+        other = out.parent / preset
+        if other == out or not (other / "notebooks" / f"{chapter}.ipynb").is_file():
+            continue
+        run = json.loads((other / "manifest.json").read_text()).get("runs", {}).get(chapter)
+        ran = f"commit <code>{esc(run['commit'][:12])}</code>, {run['seconds']:.0f} s" if run else "not timed"
+        tables = []
+        for t in sorted((other / "tables").glob(f"{chapter}-paper-vs-ours*.csv")):
+            mine = out / "tables" / t.name
+            same = mine.is_file() and mine.read_bytes() == t.read_bytes()
+            tables.append(f"<p>{esc(t.stem)}: the same as this preset's.</p>" if same else
+                          f"<p>{esc(t.stem)} under <code>{esc(preset)}</code>:</p>{_claim_table_html(read_claim_table(t))}")
+        parts.append(f"<h3><a href='../../{esc(preset)}/pages/{esc(chapter)}.html'>{esc(preset)}</a></h3>"
+                     f"<p class='meta'>{ran}</p>{''.join(tables)}")
+    return f"<section id='presets'><h2>Under other presets</h2>{''.join(parts)}</section>" if parts else ""
+
+def _claim_table_html(rows: list[dict]) -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(c)}</th>" for c in LEDGER_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{_verdict(r[c]) if c == 'verdict' else esc(r[c])}</td>" for c in LEDGER_COLUMNS)
+                   + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 # %% ../../nbs/90a_pages.ipynb #b6715f34
 LEDGER_COLUMNS = ("quantity", "paper", "ours", "why they differ", "verdict", "rule")  # a paper-vs-ours table's
@@ -328,7 +355,7 @@ def render_report(out_dir: str | Path) -> Path:
     if not (out / "manifest.json").is_file():
         raise ConfigError(f"no report to render in {out}: manifest.json is missing (run `openpretrain report`)")
     manifest = json.loads((out / "manifest.json").read_text())
-    chapters = [read_chapter(p, manifest) for p in sorted((out / "notebooks").glob("*.ipynb"))]
+    chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in sorted((out / "notebooks").glob("*.ipynb"))]
     rows = read_claims(out, {ch.name: ch for ch in chapters})
     pages = out / "pages"
     pages.mkdir(exist_ok=True)
