@@ -49,7 +49,7 @@ class ReportSettings:
     outputs: str = "outputs"         # report root; artifacts land in <outputs>/<preset>/
     seed: int = 0                    # global seed passed to every chapter
     device: str = "auto"             # auto | cpu | cuda
-    cell_timeout: int = 1800         # seconds one cell may run
+    cell_timeout: int = 3600         # seconds one cell may run (small's chapter 11a grid: one cell of ~40 min)
     numerics: str = "native"         # native | portable: ATen, oneDNN and MKL pinned to AVX2 (so fp32), see below
     chapters: list[str] = field(default_factory=discover_chapters)  # notebook stems, in report order
 
@@ -81,7 +81,7 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
     try:
         return ReportSettings(preset=sec.get("preset", "tiny"), outputs=sec.get("outputs", "outputs"),
                               seed=sec.getint("seed", 0), device=sec.get("device", "auto"),
-                              cell_timeout=sec.getint("cell_timeout", 1800), numerics=sec.get("numerics", "native"))
+                              cell_timeout=sec.getint("cell_timeout", 3600), numerics=sec.get("numerics", "native"))
     except ValueError as e:
         raise ConfigError(f"{path} [report]: {e}") from None
 
