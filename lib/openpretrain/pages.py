@@ -190,7 +190,7 @@ def _artifacts_html(chapter: str, manifest: dict, up: str) -> str:
 
 # %% ../../nbs/90a_pages.ipynb #dc0481e9
 def other_presets_html(out: Path, chapter: str) -> str:
-    "`chapter` under the other presets beside `out`: each one's page, commit and paper-vs-ours tables that differ from ours."
+    "`chapter` under the other presets beside `out`: each one's page, commit, and its paper-vs-ours rows beside ours."
     esc, parts = html.escape, []
     for preset in sibling_presets(out):
         other = out.parent / preset
@@ -202,17 +202,24 @@ def other_presets_html(out: Path, chapter: str) -> str:
         for t in sorted((other / "tables").glob(f"{chapter}-paper-vs-ours*.csv")):
             mine = out / "tables" / t.name
             same = mine.is_file() and mine.read_bytes() == t.read_bytes()
+            rows = read_claim_table(mine) if mine.is_file() else []
             tables.append(f"<p>{esc(t.stem)}: the same as this preset's.</p>" if same else
-                          f"<p>{esc(t.stem)} under <code>{esc(preset)}</code>:</p>{_claim_table_html(read_claim_table(t))}")
+                          f"<p>{esc(t.stem)}, row by row:</p>{_side_by_side_html(rows, read_claim_table(t), out.name, preset)}")
         parts.append(f"<h3><a href='../../{esc(preset)}/pages/{esc(chapter)}.html'>{esc(preset)}</a></h3>"
                      f"<p class='meta'>{ran}</p>{''.join(tables)}")
     return f"<section id='presets'><h2>Under other presets</h2>{''.join(parts)}</section>" if parts else ""
 
-def _claim_table_html(rows: list[dict]) -> str:
+def _side_by_side_html(mine: list[dict], theirs: list[dict], me: str, them: str) -> str:
+    "One row per quantity of either table: the paper, then what each preset measured and its verdict ('—': no row)."
     esc = html.escape
-    head = "".join(f"<th>{esc(c)}</th>" for c in LEDGER_COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_verdict(r[c]) if c == 'verdict' else esc(r[c])}</td>" for c in LEDGER_COLUMNS)
-                   + "</tr>" for r in rows)
+    by = [{r["quantity"]: r for r in rows} for rows in (mine, theirs)]
+    quantities = [*by[1], *(q for q in by[0] if q not in by[1])]
+    cell = lambda r, c: "—" if r is None else (_verdict(r[c]) if c == "verdict" else esc(r[c]))
+    head = "".join(f"<th>{esc(c)}</th>" for c in ("quantity", "paper", f"ours, {me}", f"verdict, {me}",
+                                                  f"ours, {them}", f"verdict, {them}"))
+    body = "".join(f"<tr><td>{esc(q)}</td><td>{esc((by[1].get(q) or by[0][q])['paper'])}</td>"
+                   + "".join(f"<td>{cell(side.get(q), c)}</td>" for side in by for c in ("ours", "verdict")) + "</tr>"
+                   for q in quantities)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 # %% ../../nbs/90a_pages.ipynb #b6715f34
