@@ -189,8 +189,9 @@ def broken_links(out: Path) -> list[str]:
                 problems.append(f"{where}: not a relative link")
                 continue
             target = (page.parent / unquote(url.path)).resolve() if url.path else page
-            sibling = (page == out / "index.html" and target.name == "index.html" and target.parent.parent == out.parent
-                       and (target.parent / "manifest.json").is_file())  # another preset's report
+            beside = target.relative_to(out.parent).parts if target.is_relative_to(out.parent) else ()
+            sibling = (len(beside) > 1 and beside[0] != out.name                   # another preset's report
+                       and (out.parent / beside[0] / "manifest.json").is_file())
             if not (target.is_relative_to(out) or sibling):
                 problems.append(f"{where}: outside the output folder")
             elif not target.is_file():
