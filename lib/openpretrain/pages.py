@@ -196,7 +196,10 @@ def other_presets_html(out: Path, chapter: str) -> str:
         other = out.parent / preset
         if other == out or not (other / "notebooks" / f"{chapter}.ipynb").is_file():
             continue
-        run = json.loads((other / "manifest.json").read_text()).get("runs", {}).get(chapter)
+        try:
+            run = json.loads((other / "manifest.json").read_text()).get("runs", {}).get(chapter)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{other / 'manifest.json'} is not a manifest ({e}): rerun or remove that preset's report") from None
         ran = f"commit <code>{esc(run['commit'][:12])}</code>, {run['seconds']:.0f} s" if run else "not timed"
         tables = []
         for t in sorted((other / "tables").glob(f"{chapter}-paper-vs-ours*.csv")):
@@ -240,6 +243,8 @@ def read_claim_table(path: Path) -> list[dict]:
                           f"{', '.join(columns)} (rerun its chapter)")
     if bad := [r["quantity"] for r in rows if r["verdict"] not in VERDICTS or not r["rule"]]:
         raise ConfigError(f"{path}: rows without a verdict of {VERDICTS} and a rule: {bad}")
+    if twice := sorted({q for q in (r["quantity"] for r in rows) if [r["quantity"] for r in rows].count(q) > 1}):
+        raise ConfigError(f"{path}: a quantity names one row, these name several: {twice}")  # presets pair rows by it
     return rows
 
 def table_anchor(ch: Chapter, name: str) -> str:
