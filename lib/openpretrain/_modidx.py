@@ -737,6 +737,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.beam_search': ( 'test_time.html#beam_search',
                                                                                                       'openpretrain/evaluation/test_time.py'),
+                                                   'openpretrain.evaluation.test_time.beam_widths': ( 'test_time.html#beam_widths',
+                                                                                                      'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.best_of_n': ( 'test_time.html#best_of_n',
                                                                                                     'openpretrain/evaluation/test_time.py'),
                                                    'openpretrain.evaluation.test_time.bootstrap_ci': ( 'test_time.html#bootstrap_ci',

@@ -36,13 +36,13 @@ __all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY',
            'Templates', 'answer_line', 'Problem', 'WordProblemConfig', 'problems', 'make_problem', 'parse_integer',
            'extract_answer', 'is_correct', 'parse_step', 'step_holds', 'solution_lines', 'step_labels', 'majority_vote',
            'weighted_best_of_n', 'best_of_n', 'accuracy_at_budget', 'aggregate', 'SearchConfig', 'SearchResult',
-           'rollout', 'beam_search', 'RevisionConfig', 'solution_prompt', 'revision_chains', 'splits', 'select_chains',
-           'difficulty_bins', 'oracle_bins', 'predicted_bins', 'two_folds', 'CrossValidated', 'compute_optimal',
-           'pretrain_flops', 'inference_flops', 'flops_multiplier', 'matched_samples', 'bootstrap_means',
-           'bootstrap_ci', 'Stability', 'selection_stability', 'StudyConfig', 'TaskRun', 'TestTimeConfig',
-           'policy_conversation', 'verifier_turns', 'verifier_conversation', 'task_preset', 'fit', 'TaskModel',
-           'seeded', 'sample_solutions', 'sample_steps', 'verify', 'search', 'nested_lengths', 'revise', 'Handle',
-           'problem_seed', 'sample_job', 'verify_job', 'search_job', 'revise_job', 'edit_distance',
+           'rollout', 'beam_search', 'beam_widths', 'RevisionConfig', 'solution_prompt', 'revision_chains', 'splits',
+           'select_chains', 'difficulty_bins', 'oracle_bins', 'predicted_bins', 'two_folds', 'CrossValidated',
+           'compute_optimal', 'pretrain_flops', 'inference_flops', 'flops_multiplier', 'matched_samples',
+           'bootstrap_means', 'bootstrap_ci', 'Stability', 'selection_stability', 'StudyConfig', 'TaskRun',
+           'TestTimeConfig', 'policy_conversation', 'verifier_turns', 'verifier_conversation', 'task_preset', 'fit',
+           'TaskModel', 'seeded', 'sample_solutions', 'sample_steps', 'verify', 'search', 'nested_lengths', 'revise',
+           'Handle', 'problem_seed', 'sample_job', 'verify_job', 'search_job', 'revise_job', 'edit_distance',
            'revision_conversations', 'mc_labels', 'mc_job']
 
 # %% ../../../nbs/18_test_time.ipynb #ed3ea4d3
@@ -376,6 +376,12 @@ def beam_search(expand: Callable, score: Callable, done: Callable, cfg: SearchCo
         active = [candidates[keep[j % len(keep)]] for j in range(cfg.n)]  # each kept beam M times, round-robin
     beams, kept = zip(*finished[:cfg.n]) if finished else ((), ())
     return SearchResult(list(beams), np.array(kept, dtype=float), rounds, spent, cfg.budget)
+
+# %% ../../../nbs/18_test_time.ipynb #bw5e1a02
+def beam_widths(n: int) -> list[int]:
+    "The study's beam widths at N beams: M = 4 (N if smaller), then M = √N where it is whole and differs."
+    root = math.isqrt(n)
+    return [min(4, n)] + ([root] if root * root == n and root != min(4, n) else [])
 
 # %% ../../../nbs/18_test_time.ipynb #7c2574b6
 @dataclass(kw_only=True)
