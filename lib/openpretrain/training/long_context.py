@@ -165,7 +165,7 @@ def small_base(p: Preset, tokenizer: str, curriculum: str, steps: int, seed: int
 
 # %% ../../../nbs/11b_long_context.ipynb #7b43fb76
 def pretrain_and_extend(p: Preset, out: str | os.PathLike, arms: dict[str, bool]) -> dict[str, Path]:
-    "Pretrain `p` into out/base (a finished base is reused), then extend it once per arm (folder name → hold θ); every run's final checkpoint."
+    "Pretrain `p` into out/base, then extend it once per arm (folder name → hold θ); every run's final checkpoint."
     out, pl = Path(out), plan(p)
     train(pl, out / "base", resume=True)
     finals = {"base": latest_valid_checkpoint(out / "base" / "checkpoints", fingerprint(pl))}
