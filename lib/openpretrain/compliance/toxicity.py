@@ -178,6 +178,10 @@ class USEEmbedder:
     def embed(self, texts: Sequence[str]) -> list[np.ndarray]:
         if self.workers > 1 and len(texts) >= 64 * self.workers:  # worth starting processes
             return _embed_parallel(self, list(texts))
+        return self.encode(texts)
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        "`embed` in this process."
         from threadpoolctl import threadpool_limits
         with threadpool_limits(self.threads, user_api="blas"):  # once per call (`USE.encode` re-enters it per text)
             return [self.model._model._encode(word_chunks(t, self.chunk_words)[: self.max_chunks or None])
@@ -185,22 +189,21 @@ class USEEmbedder:
 
 # %% ../../../nbs/04_toxicity.ipynb #d1b863d9
 def _embed_parallel(embedder: USEEmbedder, texts: list[str]) -> list[np.ndarray]:
-    "Embed contiguous slices in `workers` processes; results come back in input order (each document is independent)."
+    "Embed contiguous slices in `workers` forked processes; results come back in input order (each document is independent)."
+    _ = embedder.model._model  # load USE here, once: the forked workers inherit its weights instead of loading them (~1 s a pool)
     n = embedder.workers
     step = -(-len(texts) // (8 * n))
     slices = [texts[i:i + step] for i in range(0, len(texts), step)]
-    args = [(embedder.chunk_words, embedder.max_chunks, embedder.threads, s) for s in slices]
-    with multiprocessing.get_context("fork").Pool(n) as pool:  # children only run numpy, never torch
-        return [e for part in pool.map(_embed_slice, args, chunksize=1) for e in part]
+    with multiprocessing.get_context("fork").Pool(n, initializer=_adopt, initargs=(embedder,)) as pool:  # numpy only, never torch
+        return [e for part in pool.map(_embed_slice, slices, chunksize=1) for e in part]
 
-def _embed_slice(args) -> list[np.ndarray]:
-    chunk_words, max_chunks, threads, texts = args
-    return _worker_embedder(chunk_words, max_chunks, threads).embed(texts)
+_WORKER: list[USEEmbedder] = []  # in a forked worker: the parent's embedder, inherited by the fork (never pickled)
 
-@functools.cache
-def _worker_embedder(chunk_words: int, max_chunks: int, threads: int) -> USEEmbedder:
-    "One embedder per worker process: USE loads its graph on first use (2.5 s here), once per worker, not per slice."
-    return USEEmbedder(chunk_words, max_chunks, threads)
+def _adopt(embedder: USEEmbedder) -> None:
+    _WORKER[:] = [embedder]
+
+def _embed_slice(texts: list[str]) -> list[np.ndarray]:
+    return _WORKER[0].encode(texts)
 
 # %% ../../../nbs/04_toxicity.ipynb #dbbddd9c
 class CachedEmbedder:

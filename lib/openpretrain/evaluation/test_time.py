@@ -573,7 +573,8 @@ class TestTimeConfig:
     larger_samples: int = bounded(16, 1)      # samples per question from the larger model (study: greedy only)
     search_questions: int = bounded(500, 1)   # test questions the beam searches run on
     search_budgets: list[int] = field(default_factory=lambda: [4, 16, 64, 256])  # beams N searched (study: 4 … 256)
-    lookahead: list[int] = field(default_factory=lambda: [1, 3])  # k of lookahead search at the largest N (study: 1 and 3)
+    lookahead: list[int] = field(default_factory=lambda: [1, 3])  # k of lookahead search (study: 1 and 3)
+    lookahead_n: int = bounded(4, 1)          # beams N of the lookahead searches, one of search_budgets (study: every N)
     revision_questions: int = bounded(500, 1)  # test questions the revision chains run on
     revision_budget: int = bounded(64, 1)     # the largest chains × length; every power-of-two split below it (study: 128)
     study: StudyConfig = field(default_factory=StudyConfig)  # budgets, bins, difficulty samples, FLOPs and bootstrap
@@ -586,6 +587,8 @@ class TestTimeConfig:
         if self.revision_budget not in self.study.budgets or not self.lookahead or min(self.lookahead) < 1:
             raise ConfigError(f"test_time: revision_budget {self.revision_budget} must be one of study.budgets "
                               f"{self.study.budgets}, and lookahead {self.lookahead} a non-empty list of k ≥ 1")
+        if self.lookahead_n not in self.search_budgets:
+            raise ConfigError(f"test_time: lookahead_n {self.lookahead_n} must be one of search_budgets {self.search_budgets}")
 
 # %% ../../../nbs/18_test_time.ipynb #8024497e
 PLUS, MINUS = "+", "-"   # a verifier's two answers
