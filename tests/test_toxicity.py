@@ -1,5 +1,7 @@
 """Toxicity stage (Apertus §3.1.3): head, training protocol, thresholds, fallback, loaders, embedders."""
 import codecs
+import os
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pandas as pd
@@ -235,6 +237,18 @@ def test_a_documents_vectors_do_not_depend_on_its_batch():
     use = USEEmbedder(max_chunks=4)
     alone = [use.embed([t])[0] for t in texts[:4]]
     assert all(np.array_equal(a, b) for a, b in zip(alone, use.embed(texts[::-1])[::-1][:4]))
+
+
+def test_forked_workers_embed_exactly_what_one_process_does():
+    texts = load_weak_labels().text.head(130).tolist()   # ≥ 64 texts per worker: the forked path
+    got, serial = USEEmbedder(max_chunks=4, workers=2).embed(texts), USEEmbedder(max_chunks=4).embed(texts)
+    assert len(got) == len(texts) and all(np.array_equal(a, b) for a, b in zip(got, serial))
+
+
+def test_a_worker_that_dies_stops_the_embedding_with_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(USEEmbedder, "encode", lambda self, texts: os._exit(1))   # the forks inherit it: killed mid-slice
+    with pytest.raises(BrokenProcessPool):
+        USEEmbedder(workers=2).embed(["a text"] * 130)
 
 
 def test_cached_embedder_serves_the_same_vectors_without_the_encoder(tmp_path):

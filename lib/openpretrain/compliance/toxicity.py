@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import re
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -194,8 +195,8 @@ def _embed_parallel(embedder: USEEmbedder, texts: list[str]) -> list[np.ndarray]
     n = embedder.workers
     step = -(-len(texts) // (8 * n))
     slices = [texts[i:i + step] for i in range(0, len(texts), step)]
-    with multiprocessing.get_context("fork").Pool(n, initializer=_adopt, initargs=(embedder,)) as pool:  # numpy only, never torch
-        return [e for part in pool.map(_embed_slice, slices, chunksize=1) for e in part]
+    with ProcessPoolExecutor(n, multiprocessing.get_context("fork"), _adopt, (embedder,)) as pool:  # numpy only, never torch
+        return [e for part in pool.map(_embed_slice, slices) for e in part]  # a worker that dies raises BrokenProcessPool
 
 _WORKER: list[USEEmbedder] = []  # in a forked worker: the parent's embedder, inherited by the fork (never pickled)
 
