@@ -2,7 +2,8 @@
 and the chunked SSD against the sequential recurrence it equals.
 
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed in one process after a
-warm-up, alternating (the order turns every repetition; the compiled side's warm-up compiles); the ratios of the
+warm-up, alternating (the order turns every repetition; the compiled side's warm-up compiles), with glibc keeping
+freed memory as the trainer sets it (`keep_freed_memory`); the ratios of the
 best and of the median steps are printed. Sides: our eager model, transformers' eager model and,
 with --compile, our model with compiled non-MoE blocks (`build(compile=True)`). The SSD comparison
 runs the scan of one Soofi-sized Mamba-2 layer (forward, chunk 128) at L = 2048: the recurrence, the chunked form
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from openpretrain.models.hybrid import HybridConfig, build, to_hf
 from openpretrain.models.mamba2 import ssd_chunked, ssd_recurrent
+from openpretrain.training.parallel import keep_freed_memory
 from timing import MachineLoad, alternate, matmul_bound, matmul_share, step_time, timed
 
 
@@ -70,6 +72,7 @@ def ssd_times(reps: int, L: int = 2048) -> tuple[dict[str, list[float]], float]:
 
 
 def main(reps: int = 3, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
+    keep_freed_memory()   # the trainer's allocator setting (it runs first thing); the process's, so both sides share it
     with MachineLoad() as load:
         tps = model_step(reps, batch, seq, device, compile)
         ssd, share = ssd_times(2 * reps + 1)
