@@ -2,8 +2,8 @@
 
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed in one process after a
 warm-up, alternating (the order turns every repetition), with glibc keeping freed memory as the trainer sets it
-(`keep_freed_memory`: without it the reference's steps vary with page faults, and its median with them). Sides: our model as the trainer runs it on CPU (fp32,
-blocks not compiled; xIELU is the inductor-compiled formula when a C++ compiler is found, `CXX=none` forces the eager
+(`keep_freed_memory`: without it the reference's steps vary with page faults, and its median with them).
+Sides: our model as the trainer runs it on CPU (fp32, blocks not compiled; xIELU is the inductor-compiled formula when a C++ compiler is found, `CXX=none` forces the eager
 xIELU), transformers' eager model and, with --compile, our model with compiled blocks (`build(compile=True)`; its
 warm-up compiles). Also prints the FLOP/s each of our sides achieves against this
 machine's measured fp32 matmul peak, the ratios of the best and of the median steps, the share of each side's step
@@ -37,7 +37,7 @@ def matmul_flops(n: int = 2048) -> float:
 
 def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, batch: int = 2, vocab: int = 8192,
          compile: bool = False):
-    keep_freed_memory()   # the trainer's allocator setting (it runs first thing); the process's, so both sides share it
+    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so both sides share it
     torch.manual_seed(0)
     config = DenseConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64, n_kv_heads=2,
                          mlp_hidden=int(5.25 * d_model), max_seq_len=seq, init_std=0.02)

@@ -72,7 +72,7 @@ def ssd_times(reps: int, L: int = 2048) -> tuple[dict[str, list[float]], float]:
 
 
 def main(reps: int = 3, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
-    keep_freed_memory()   # the trainer's allocator setting (it runs first thing); the process's, so both sides share it
+    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so both sides share it
     with MachineLoad() as load:
         tps = model_step(reps, batch, seq, device, compile)
         ssd, share = ssd_times(2 * reps + 1)
