@@ -23,6 +23,7 @@ from openpretrain.models.registry import model_config
 from openpretrain.training import trainer
 from openpretrain.training.checkpoint import (CheckpointError, checkpoints, export_hf, latest_valid_checkpoint, load_model,
                                               verify_checkpoint, write_checkpoint)
+from openpretrain.training.parallel import flush_denormals
 from openpretrain.training.plan import plan
 from openpretrain.training.trainer import NonFiniteError, ZLoss, main, read_metrics, train_preset
 
@@ -275,13 +276,15 @@ sys.path.insert(0, {tests!r})
 from test_trainer import SyntheticLoader
 from openpretrain.training import trainer
 trainer.keep_freed_memory = lambda: False      # glibc's default: big blocks mmap-ed on alloc, unmapped on free
+trainer.flush_denormals = lambda: False        # the CPU's default: denormal floats computed, slowly
 a = json.loads(sys.argv[1])
 trainer.train_preset(a["preset"], a["out"], a["max_steps"], loader_factory=SyntheticLoader)
 """
 
 
-def test_keeping_freed_memory_changes_no_metric(tmp_path):
-    preset, script = write_preset(tmp_path), tmp_path / "untuned.py"
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_cpu_process_settings_change_no_metric(tmp_path, arch):
+    preset, script = write_preset(tmp_path, arch=arch), tmp_path / "untuned.py"
     script.write_text(UNTUNED.format(tests=str(TESTS)))
     args = json.dumps({"preset": str(preset), "out": str(tmp_path / "untuned"), "max_steps": 4})
     subprocess.run([sys.executable, str(script), args], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -289,6 +292,13 @@ def test_keeping_freed_memory_changes_no_metric(tmp_path):
     timings = {"tokens_per_s", "mfu"}
     rows = lambda path: [{k: v for k, v in r.items() if k not in timings} for r in read_metrics(path)]
     assert rows(run(preset, tmp_path / "tuned", 4)) == rows(tmp_path / "untuned" / "metrics.jsonl")
+
+
+def test_flushing_denormals_reaches_every_worker_thread():
+    flush_denormals()
+    x = torch.full((1 << 22,), 1e-39) * 0.5   # split over the intra-op threads; each must flush its products
+    bits = x.view(torch.int32) & 0x7FFFFFFF
+    assert not bits.any()
 
 
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])

@@ -2109,6 +2109,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                         'openpretrain/training/parallel.py'),
                                                 'openpretrain.training.parallel.device_of': ( 'parallel.html#device_of',
                                                                                               'openpretrain/training/parallel.py'),
+                                                'openpretrain.training.parallel.flush_denormals': ( 'parallel.html#flush_denormals',
+                                                                                                    'openpretrain/training/parallel.py'),
                                                 'openpretrain.training.parallel.gradient_sync': ( 'parallel.html#gradient_sync',
                                                                                                   'openpretrain/training/parallel.py'),
                                                 'openpretrain.training.parallel.keep_freed_memory': ( 'parallel.html#keep_freed_memory',

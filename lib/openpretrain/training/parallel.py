@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['log', 'ONEDNN_WITHOUT_BF16', 'measure_peak_flops', 'sync', 'cpu_multiplies_bf16', 'training_precision', 'autocast',
-           'keep_freed_memory', 'parallelize', 'checkpoint_blocks', 'gradient_sync', 'device_of', 'all_sum', 'unwrap']
+           'keep_freed_memory', 'flush_denormals', 'parallelize', 'checkpoint_blocks', 'gradient_sync', 'device_of',
+           'all_sum', 'unwrap']
 
 # %% ../../../nbs/10c_parallel.ipynb #9f05446e
 @functools.cache   # once per process: a worker that trains many short runs measures once
@@ -79,6 +80,12 @@ def keep_freed_memory() -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # mallopt parameters from glibc's malloc.h
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+# %% ../../../nbs/10c_parallel.ipynb #b7e2c9d4
+def flush_denormals() -> bool:
+    "Flush-to-zero and denormals-are-zero for this process's float arithmetic on x86 (False where the CPU has no DAZ)."
+    return torch.set_flush_denormal(True)
+
 
 # %% ../../../nbs/10c_parallel.ipynb #1015bb16
 def parallelize(model: nn.Module, train: TrainConfig, accelerator, precision: str = "fp32") -> nn.Module:
