@@ -23,6 +23,25 @@ def step_time(forward, params, ids: torch.Tensor, sync: Callable[[], None] = lam
     return time.perf_counter() - t
 
 
+def bf16_sides(sides: dict[str, tuple], device: str) -> dict[str, tuple]:
+    """Each (forward, parameters) side again under the trainer's bf16 autocast, named '<side>, bf16', where `device`
+    trains in bf16 (`training_precision`: GPUs, and CPUs that multiply bf16); none elsewhere."""
+    from openpretrain.training.parallel import autocast, training_precision
+    if training_precision("bf16", device.startswith("cuda")) != "bf16":
+        return {}
+    def under_bf16(forward):
+        def run(ids):
+            with autocast("bf16", torch.device(device)):
+                return forward(ids)
+        return run
+    return {f"{name}, bf16": (under_bf16(forward), params) for name, (forward, params) in sides.items()}
+
+
+def reference_of(side: str, ref: str = "transformers") -> str:
+    "The reference side a side is compared with: the one of its precision."
+    return f"{ref}, bf16" if side.endswith(", bf16") else ref
+
+
 def timed(fn: Callable[[], object]) -> Callable[[], float]:
     "A side that times one call of `fn`."
     def side() -> float:
@@ -73,11 +92,11 @@ def matmul_bound(steps: dict[str, Callable[[], object]], times: dict[str, list[f
     were free) and over our matmul and shared-kernel time (our ratio if only our own element-wise code were free)."""
     share = {k: op_shares(steps[k], {"matmul": MATMULS, "kept": MATMULS | SHARED}) for k in (ours, ref)}
     step = {k: statistics.median(times[k]) for k in (ours, ref)}
-    return (f"matrix products: {100 * share[ours]['matmul']:.0f}% of our step, {100 * share[ref]['matmul']:.0f}% of "
-            f"{ref}'; {ref}' step / our matmul time = {step[ref] / (step[ours] * share[ours]['matmul']):.2f}x "
-            f"(the ratio if every other op of ours cost nothing); with attention and the loss kept too "
-            f"({100 * share[ours]['kept']:.0f}% of our step, the same ATen kernels on both sides): "
-            f"{step[ref] / (step[ours] * share[ours]['kept']):.2f}x")
+    return (f"{ours}: matrix products {100 * share[ours]['matmul']:.0f}% of the step ({ref}: "
+            f"{100 * share[ref]['matmul']:.0f}%); {ref} step / our matmul time = "
+            f"{step[ref] / (step[ours] * share[ours]['matmul']):.2f}x (the ratio if every other op of ours cost nothing); "
+            f"with attention and the loss kept too ({100 * share[ours]['kept']:.0f}% of our step, the same ATen kernels "
+            f"on both sides): {step[ref] / (step[ours] * share[ours]['kept']):.2f}x")
 
 
 def _cpu_ticks() -> tuple[int, int]:
