@@ -3,7 +3,7 @@
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed in one process after a
 warm-up, alternating (the order turns every repetition), with the process set up as the trainer's start_run sets it
 on CPU: glibc keeping freed memory (`keep_freed_memory`: without it the reference's steps vary with page faults, and
-its median with them) and denormal floats flushed (`flush_denormals`).
+its median with them) and denormal floats flushed (`flushing_denormals`).
 Sides: our model as the trainer runs it on CPU (fp32, blocks not compiled; xIELU is the inductor-compiled formula when
 a C++ compiler is found, `CXX=none` forces the eager xIELU), transformers' eager model, and both again under the
 trainer's bf16 autocast where this CPU trains in bf16 (`training_precision`: AVX512-BF16 or AMX, as the tiny preset
@@ -25,7 +25,7 @@ from functools import partial
 import torch
 
 from openpretrain.models.dense import DenseConfig, build, to_hf, train_flops_per_token
-from openpretrain.training.parallel import flush_denormals, keep_freed_memory
+from openpretrain.training.parallel import flushing_denormals, keep_freed_memory
 from timing import MachineLoad, alternate, bf16_sides, matmul_bound, reference_of, step_time
 
 
@@ -44,8 +44,7 @@ def peaks_now() -> dict[str, float]:
 
 def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, batch: int = 2, vocab: int = 8192,
          compile: bool = False):
-    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so every side shares both
-    flush_denormals()
+    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so every side shares it
     torch.manual_seed(0)
     config = DenseConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64, n_kv_heads=2,
                          mlp_hidden=int(5.25 * d_model), max_seq_len=seq, init_std=0.02)
@@ -64,9 +63,10 @@ def main(reps: int = 5, d_model: int = 512, n_layers: int = 4, seq: int = 512, b
             assert name.endswith(", bf16") or (fwd(ids) - eager(ids)).abs().max() < 1e-3
     steps = {name: partial(step_time, fwd, list(params()), ids) for name, (fwd, params) in sides.items()}
     peaks = []   # the peak is measured between rounds: the machine is shared
-    with MachineLoad() as load:
+    with flushing_denormals(), MachineLoad() as load:   # the trainer's CPU float mode, for every side
         times = alternate(steps, reps, between=lambda: peaks.append(peaks_now()))
-    bounds = [matmul_bound(steps, times, name, reference_of(name)) for name in ("ours", "ours, bf16") if name in steps]
+        bounds = [matmul_bound(steps, times, name, reference_of(name))
+                  for name in ("ours", "ours, bf16") if name in steps]
     ours = {name: ts for name, ts in times.items() if not name.startswith("transformers")}
     flops_per_token = train_flops_per_token(config, seq)
     print(f"config: d_model {d_model}, {n_layers} layers, {config.n_heads}/{config.n_kv_heads} heads, "

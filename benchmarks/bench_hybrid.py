@@ -4,7 +4,7 @@ and the chunked SSD against the sequential recurrence it equals.
 All sides hold the same weights (`to_hf`), see the same batch and the same loss, and are timed in one process after a
 warm-up, alternating (the order turns every repetition; the compiled side's warm-up compiles), with the process set
 up as the trainer's start_run sets it on CPU: glibc keeping freed memory (`keep_freed_memory`) and denormal floats
-flushed (`flush_denormals`); the ratios of the best and of the median steps are printed. Sides: our eager model,
+flushed (`flushing_denormals`); the ratios of the best and of the median steps are printed. Sides: our eager model,
 transformers' eager model, both again under the trainer's bf16 autocast where this device trains in bf16
 (`training_precision`; each compared with transformers at its own precision) and, with --compile, our model with
 compiled non-MoE blocks (`build(compile=True)`). One Mamba-2 layer of the model is also timed with denormals flushed
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from openpretrain.models.hybrid import HybridConfig, build, to_hf
 from openpretrain.models.mamba2 import ssd_chunked, ssd_recurrent
-from openpretrain.training.parallel import flush_denormals, keep_freed_memory
+from openpretrain.training.parallel import flushing_denormals, keep_freed_memory
 from timing import (MachineLoad, alternate, bf16_sides, matmul_bound, matmul_share, reference_of, step_time,
                     timed)
 
@@ -87,21 +87,17 @@ def denormal_times(reps: int, batch: int, seq: int) -> dict[str, list[float]]:
     x = torch.randn(batch, seq, CONFIG.d_model)
     def side(flush: bool):
         def run() -> float:
-            torch.set_flush_denormal(flush)   # process-wide: each side sets its own before it runs
-            t = time.perf_counter()
-            layer(x, None).square().mean().backward()
-            return time.perf_counter() - t
+            with flushing_denormals(flush):
+                t = time.perf_counter()
+                layer(x, None).square().mean().backward()
+                return time.perf_counter() - t
         return run
-    try:
-        return alternate({"flushed": side(True), "computed": side(False)}, reps)
-    finally:
-        flush_denormals()
+    return alternate({"flushed": side(True), "computed": side(False)}, reps)
 
 
 def main(reps: int = 3, batch: int = 2, seq: int = 512, device: str = "cpu", compile: bool = False):
-    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so every side shares both
-    flush_denormals()
-    with MachineLoad() as load:
+    keep_freed_memory()   # what the trainer's start_run sets on CPU; process-wide, so every side shares it
+    with flushing_denormals(), MachineLoad() as load:   # the trainer's CPU float mode, for every side
         tps = model_step(reps, batch, seq, device, compile)
         denormals = denormal_times(2 * reps + 1, batch, seq) if device == "cpu" else {}
         ssd, share = ssd_times(2 * reps + 1)

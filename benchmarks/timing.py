@@ -94,9 +94,9 @@ def matmul_bound(steps: dict[str, Callable[[], object]], times: dict[str, list[f
     step = {k: statistics.median(times[k]) for k in (ours, ref)}
     return (f"{ours}: matrix products {100 * share[ours]['matmul']:.0f}% of the step ({ref}: "
             f"{100 * share[ref]['matmul']:.0f}%); {ref} step / our matmul time = "
-            f"{step[ref] / (step[ours] * share[ours]['matmul']):.2f}x (the ratio if every other op of ours cost nothing); "
-            f"with attention and the loss kept too ({100 * share[ours]['kept']:.0f}% of our step, the same ATen kernels "
-            f"on both sides): {step[ref] / (step[ours] * share[ours]['kept']):.2f}x")
+            f"{step[ref] / (step[ours] * share[ours]['matmul']):.2f}x (the ratio if every other op of ours cost "
+            f"nothing); with attention and the loss kept too ({100 * share[ours]['kept']:.0f}% of our step, the same "
+            f"ATen kernels on both sides): {step[ref] / (step[ours] * share[ours]['kept']):.2f}x")
 
 
 def _cpu_ticks() -> tuple[int, int]:

@@ -23,7 +23,7 @@ from openpretrain.models.registry import model_config
 from openpretrain.training import trainer
 from openpretrain.training.checkpoint import (CheckpointError, checkpoints, export_hf, latest_valid_checkpoint, load_model,
                                               verify_checkpoint, write_checkpoint)
-from openpretrain.training.parallel import flush_denormals
+from openpretrain.training.parallel import denormals_flushed, flushing_denormals
 from openpretrain.training.plan import plan
 from openpretrain.training.trainer import NonFiniteError, ZLoss, main, read_metrics, train_preset
 
@@ -271,12 +271,12 @@ def test_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
 
 
 UNTUNED = """
-import json, sys
+import contextlib, json, sys
 sys.path.insert(0, {tests!r})
 from test_trainer import SyntheticLoader
 from openpretrain.training import trainer
 trainer.keep_freed_memory = lambda: False      # glibc's default: big blocks mmap-ed on alloc, unmapped on free
-trainer.flush_denormals = lambda: False        # the CPU's default: denormal floats computed, slowly
+trainer.flushing_denormals = contextlib.nullcontext   # the CPU's default: denormal floats computed, slowly
 a = json.loads(sys.argv[1])
 trainer.train_preset(a["preset"], a["out"], a["max_steps"], loader_factory=SyntheticLoader)
 """
@@ -294,11 +294,17 @@ def test_cpu_process_settings_change_no_metric(tmp_path, arch):
     assert rows(run(preset, tmp_path / "tuned", 4)) == rows(tmp_path / "untuned" / "metrics.jsonl")
 
 
-def test_flushing_denormals_reaches_every_worker_thread():
-    flush_denormals()
-    x = torch.full((1 << 22,), 1e-39) * 0.5   # split over the intra-op threads; each must flush its products
-    bits = x.view(torch.int32) & 0x7FFFFFFF
-    assert not bits.any()
+def test_flushing_denormals_reaches_every_worker_thread_and_ends_with_the_block():
+    assert not denormals_flushed()   # IEEE subnormals, the default (hypothesis's float strategies need them)
+    with flushing_denormals():
+        x = torch.full((1 << 22,), 1e-39) * 0.5   # split over the intra-op threads; each must flush its products
+        assert denormals_flushed() and not (x.view(torch.int32) & 0x7FFFFFFF).any()
+    assert not denormals_flushed() and (torch.full((1 << 22,), 1e-39) * 0.5).view(torch.int32).all()
+
+
+def test_a_cpu_run_leaves_denormals_as_it_found_them(tmp_path):
+    run(write_preset(tmp_path), tmp_path / "run", 2)
+    assert not denormals_flushed()
 
 
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import sys
 import time
 
 import torch
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['log', 'ONEDNN_WITHOUT_BF16', 'measure_peak_flops', 'sync', 'cpu_multiplies_bf16', 'training_precision', 'autocast',
-           'keep_freed_memory', 'flush_denormals', 'parallelize', 'checkpoint_blocks', 'gradient_sync', 'device_of',
-           'all_sum', 'unwrap']
+           'keep_freed_memory', 'denormals_flushed', 'flushing_denormals', 'parallelize', 'checkpoint_blocks',
+           'gradient_sync', 'device_of', 'all_sum', 'unwrap']
 
 # %% ../../../nbs/10c_parallel.ipynb #9f05446e
 @functools.cache   # once per process: a worker that trains many short runs measures once
@@ -82,9 +83,20 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 # %% ../../../nbs/10c_parallel.ipynb #b7e2c9d4
-def flush_denormals() -> bool:
-    "Flush-to-zero and denormals-are-zero for this process's float arithmetic on x86 (False where the CPU has no DAZ)."
-    return torch.set_flush_denormal(True)
+def denormals_flushed() -> bool:
+    "Whether this thread's float arithmetic flushes denormals to zero now (half the smallest normal float is 0)."
+    smallest = sys.float_info.min
+    return smallest / 2 == 0.0
+
+@contextlib.contextmanager
+def flushing_denormals(on: bool = True):
+    "While the block runs, flush denormal floats to zero (x86 FTZ and DAZ; `on=False`: compute them); then as before."
+    before = denormals_flushed()
+    torch.set_flush_denormal(on)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)
 
 
 # %% ../../../nbs/10c_parallel.ipynb #1015bb16

@@ -38,7 +38,7 @@ from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, 
                                               save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
-from .parallel import (all_sum, autocast, device_of, flush_denormals, gradient_sync,
+from .parallel import (all_sum, autocast, device_of, flushing_denormals, gradient_sync,
                                             keep_freed_memory, measure_peak_flops, parallelize, sync,
                                             training_precision, unwrap)
 from .plan import Plan, fingerprint, plan, token_loader
@@ -280,12 +280,12 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
     from accelerate import Accelerator
     cuda = resolve_device(pl.preset.device).startswith("cuda")
     accelerator = Accelerator(cpu=not cuda)
-    if not cuda:   # CPU runs repeat bit for bit: without this the hybrid's gradients differ in the last bits between processes
-        torch.use_deterministic_algorithms(True)
-        keep_freed_memory()
-        flush_denormals()   # the SSD's far decays: the same numbers at tiny scale, a faster Mamba-2 step (chapter 10c)
     out = Path(out_dir) if out_dir else project_root() / "runs" / pl.preset.name
     with contextlib.ExitStack() as held:
+        if not cuda:   # CPU runs repeat bit for bit: without this the hybrid's gradients differ in the last bits between processes
+            torch.use_deterministic_algorithms(True)
+            keep_freed_memory()
+            held.enter_context(flushing_denormals())   # the SSD's far decays: a faster Mamba-2 step (chapter 10c)
         if accelerator.is_main_process:
             held.enter_context(folder_lock(run_folder(out), "training run"))
             if not resume:
