@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from openpretrain.training.parallel import autocast, training_precision
+
 
 def step_time(forward, params, ids: torch.Tensor, sync: Callable[[], None] = lambda: None) -> float:
     "Seconds for one forward + backward of the next-token loss (`sync` waits for the device: CUDA's is asynchronous)."
@@ -26,7 +28,6 @@ def step_time(forward, params, ids: torch.Tensor, sync: Callable[[], None] = lam
 def bf16_sides(sides: dict[str, tuple], device: str) -> dict[str, tuple]:
     """Each (forward, parameters) side again under the trainer's bf16 autocast, named '<side>, bf16', where `device`
     trains in bf16 (`training_precision`: GPUs, and CPUs that multiply bf16); none elsewhere."""
-    from openpretrain.training.parallel import autocast, training_precision
     if training_precision("bf16", device.startswith("cuda")) != "bf16":
         return {}
     def under_bf16(forward):
