@@ -302,8 +302,19 @@ def test_flushing_denormals_reaches_every_worker_thread_and_ends_with_the_block(
     assert not denormals_flushed() and (torch.full((1 << 22,), 1e-39) * 0.5).view(torch.int32).all()
 
 
-def test_a_cpu_run_leaves_denormals_as_it_found_them(tmp_path):
-    run(write_preset(tmp_path), tmp_path / "run", 2)
+class ModeRecordingLoader(SyntheticLoader):
+    "SyntheticLoader that notes, at every batch, whether the run's thread flushes denormals."
+    seen: list[bool] = []
+
+    def next_batch(self):
+        self.seen.append(denormals_flushed())
+        return super().next_batch()
+
+
+def test_a_cpu_run_flushes_denormals_while_it_lasts_and_leaves_them_as_it_found_them(tmp_path):
+    ModeRecordingLoader.seen = []
+    train_preset(write_preset(tmp_path), tmp_path / "run", 2, loader_factory=ModeRecordingLoader)
+    assert ModeRecordingLoader.seen and all(ModeRecordingLoader.seen)
     assert not denormals_flushed()
 
 
