@@ -7,7 +7,8 @@ import torch
 from openpretrain.core import to_dict
 from openpretrain.models.dense import DenseConfig
 from openpretrain.models.registry import build_model
-from openpretrain.posttrain.sft import SFTLoader, chat_start, chat_tokenizer, sft_rows
+from openpretrain.chat import chat_tokenizer
+from openpretrain.posttrain.sft import SFTLoader, chat_start, sft_rows
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.checkpoint import save_checkpoint
 

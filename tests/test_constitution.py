@@ -20,7 +20,8 @@ from openpretrain.posttrain.constitution import (
     charter_persona, charter_text, cited_clauses, classify, completions, degrade, load_charter, load_examples, order_logprobs,
     pairwise_agreement, parse_sensitivity, rank_agreement, two_track, weighted_score)
 from openpretrain.posttrain.preference import PairConfig
-from openpretrain.posttrain.server import ChatClient, ChatError, Reply, ServeConfig, app, load_served, serving
+from openpretrain.engine import ChatModel
+from openpretrain.posttrain.server import ChatClient, ChatError, Reply, ServeConfig, app, serving
 
 TITLES = ["Response Quality", "Knowledge and Reasoning Standards", "Respectful Communication", "Preventing Harm",
           "Resolving Value Conflicts", "Professional Competence Boundaries", "Collective Decision-Making",
@@ -33,7 +34,7 @@ SMALL = ConstitutionConfig(pairs=PairConfig(n_refs=3), samples=1, max_tokens=12,
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     "Our server over a random chat model with a 4,096-id context (a judge prompt holds the whole charter), stopped after."
-    served = load_served(chat_checkpoint(tmp_path_factory.mktemp("judge"), max_seq_len=4096))
+    served = ChatModel.load(chat_checkpoint(tmp_path_factory.mktemp("judge"), max_seq_len=4096))
     with serving(app(served, ServeConfig(max_concurrency=2, max_tokens=64))) as base_url:
         yield base_url
     with pytest.raises(OSError):
@@ -202,9 +203,10 @@ def test_the_standard_and_charter_tracks_draw_their_system_prompts(client):
     assert completions(tracks, prompt, "charter", SMALL) == charter     # seeded draws: the same requests
 
 
-class Canned:
-    "A policy server that needs no network: each reply is its request's sampler seed."
-    max_concurrency = 2
+class Canned(ChatClient):
+    "A policy server that needs no network (the URL is never contacted): each reply is its request's sampler seed."
+    def __init__(self):
+        super().__init__("http://127.0.0.1:9/v1", max_concurrency=2)
 
     def chat(self, messages, **sampling) -> Reply:
         return Reply(str(sampling["seed"]), "stop", None, {})

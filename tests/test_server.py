@@ -16,8 +16,9 @@ from chat_models import TOK, chat_checkpoint
 
 from openpretrain.__main__ import main as cli
 from openpretrain.models.common import generate
-from openpretrain.posttrain.server import ChatClient, ChatError, Served, ServeConfig, app, load_served, serving
-from openpretrain.posttrain.sft import END, chat_ids, render
+from openpretrain.chat import END, chat_ids, render
+from openpretrain.engine import ChatModel
+from openpretrain.posttrain.server import ChatClient, ChatError, ServeConfig, app, serving
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
 
@@ -30,7 +31,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(checkpoint):
-    return load_served(checkpoint)
+    return ChatModel.load(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,7 @@ class Gated(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module):
         super().__init__()
         self.inner, self.started, self.go = inner, threading.Event(), threading.Event()
+        self.config = inner.config                                     # the engine reads the context from it
 
     def init_cache(self, *args, **kwargs):
         return self.inner.init_cache(*args, **kwargs)
@@ -177,7 +179,7 @@ class Gated(torch.nn.Module):
 
 def test_a_request_beyond_the_slot_and_queue_is_503_and_the_server_stays_up(served):
     gated = Gated(served.model)
-    with serving(app(Served(gated, served.tokenizer, served.name, served.context),
+    with serving(app(ChatModel(gated, served.tokenizer, served.name),
                      ServeConfig(max_concurrency=1, max_queue=0, max_tokens=8))) as base_url:
         try:
             first = ThreadPoolExecutor(1).submit(chat, base_url, temperature=0, max_tokens=4)

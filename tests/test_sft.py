@@ -11,8 +11,9 @@ from tiny_runs import small_preset
 
 from openpretrain.core import ConfigError, to_dict
 from openpretrain.models.registry import build_model
-from openpretrain.posttrain.sft import (CHAT_TOKENS, END, SFTConfig, SFTLoader, chat_ids, chat_start, chat_tokenizer,
-                                        export_chat, finetune, render, sft_data, sft_preset, sft_rows, source_licences)
+from openpretrain.chat import CHAT_TOKENS, END, chat_ids, chat_tokenizer, render
+from openpretrain.posttrain.sft import (SFTConfig, SFTLoader, chat_start, export_chat, finetune, sft_data, sft_preset, sft_rows,
+                                        source_licences)
 from openpretrain.tokenization import load_tokenizer
 from openpretrain.training.checkpoint import CheckpointError, load_model, save_checkpoint
 from openpretrain.training.plan import plan

@@ -10,16 +10,17 @@ from openpretrain.core import load_preset
 from openpretrain.evaluation import test_time as tt
 from openpretrain.models.common import generate
 from openpretrain.models.dense import DenseConfig
-from openpretrain.posttrain.sft import chat_ids, render
+from openpretrain.chat import chat_ids, render
+from openpretrain.engine import ChatModel
 from openpretrain.training.checkpoint import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tt.TaskModel:
+def model(tmp_path_factory) -> ChatModel:
     root = tmp_path_factory.mktemp("chat")
     ckpt = chat_checkpoint(root, max_seq_len=256)
     config = DenseConfig(**verify_checkpoint(ckpt)["fingerprint"]["model"])
-    return tt.TaskModel.load(config, ckpt, root / "tokenizer.json")
+    return ChatModel.load(ckpt, root / "tokenizer.json", config)
 
 
 PROBLEMS = tt.problems(6, seed=3)
@@ -30,13 +31,13 @@ def test_verify_equals_each_conversation_alone(model):
     questions = [p.prompt for p in PROBLEMS] + [PROBLEMS[1].prompt, PROBLEMS[2].prompt]
     lines = [tt.solution_lines(t) for t in texts]
     batched = tt.verify(model, questions, lines, process=True, chunk=3)
-    assistant = chat_ids(model.tok)["<|assistant|>"]
+    assistant, (plus,), (minus,) = chat_ids(TOK)["<|assistant|>"], TOK.encode(tt.PLUS), TOK.encode(tt.MINUS)
     for q, ls, got in zip(questions, lines, batched):
-        ids = render(model.tok, tt.verifier_turns(q, ls, [True] * len(ls)))[0]
+        ids = render(TOK, tt.verifier_turns(q, ls, [True] * len(ls)))[0]
         with torch.no_grad():
             logits = model.model(torch.tensor([ids]))[0]
         slots = [t for t, x in enumerate(ids) if x == assistant]
-        want = torch.softmax(logits[slots][:, [model.plus, model.minus]], -1)[:, 0]
+        want = torch.softmax(logits[slots][:, [plus, minus]], -1)[:, 0]
         assert len(got) == len(ls)
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-5)
 
@@ -49,7 +50,7 @@ def test_orm_scores_one_turn_and_empty_solutions_none(model):
 def test_sample_steps_is_greedy_generate_cut_at_the_first_stop(model):
     prompts = [model.ask(tt.solution_prompt(p.prompt)) for p in PROBLEMS[:4]]
     got = tt.sample_steps(model, prompts, max_tokens=12, temperature=0.0, seed=0)
-    stops = set(model.stops.tolist())
+    stops = {*model.line_ends, model.end}
     for prompt, step in zip(prompts, got):
         full = generate(model.model, torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
         cut = next((i + 1 for i, x in enumerate(full) if x in stops), len(full))

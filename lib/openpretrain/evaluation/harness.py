@@ -29,7 +29,7 @@ from torch import nn
 
 from ..core import ConfigError, Preset, load_preset, project_root, resolve_device, to_dict
 from ..corpus import load_embedded, load_udhr
-from ..models.common import generate_greedy
+from ..engine import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
 from ..models.registry import model_config
 from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
@@ -110,8 +110,9 @@ def generate_texts(model: nn.Module, tokenizer, requests: list[tuple[str, dict]]
         budgets.append(int(kwargs.get("max_gen_toks", 256)))
         prompts.append(tokenizer.encode(context)[-max(max_length - budgets[-1], 1):] or [tokenizer.bos_id])
     out = []
-    for row, stop in zip(generate_greedy(model, prompts, budgets, tokenizer.eos_id, batch_size), stops):
-        text = tokenizer.tok.decode(row)
+    completions = generate(model, prompts, budgets, stop_ids=(tokenizer.eos_id,), batch_size=batch_size)
+    for (completion,), stop in zip(completions, stops):
+        text = tokenizer.tok.decode(completion.body)
         cuts = [text.index(s) for s in stop if s and s in text]
         out.append(text[:min(cuts)] if cuts else text)
     return out

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
+from ..chat import chat_ids, render
 from ..core import ConfigError, Preset, bounded
-from ..models.common import decode_steps
+from ..engine import ChatModel, generate
 from ..posttrain.preference import sample_replies
-from ..posttrain.sft import END, chat_ids, finetune, render
-from ..tokenization import HFTokenizer
-from ..training.checkpoint import load_model
+from ..posttrain.sft import finetune
 
 # %% auto #0
 __all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY', 'SELECTORS', 'AGGREGATIONS', 'PLUS', 'MINUS',
@@ -41,8 +39,8 @@ __all__ = ['TEMPLATES', 'STEP_SEPARATOR', 'ANSWER_PREFIX', 'LANGUAGES', 'APPLY',
            'compute_optimal', 'pretrain_flops', 'inference_flops', 'flops_multiplier', 'matched_samples',
            'bootstrap_means', 'bootstrap_ci', 'Stability', 'selection_stability', 'StudyConfig', 'TaskRun',
            'TestTimeConfig', 'policy_conversation', 'verifier_turns', 'verifier_conversation', 'task_preset', 'fit',
-           'TaskModel', 'seeded', 'sample_solutions', 'sample_steps', 'verify', 'search', 'nested_lengths', 'revise',
-           'Handle', 'problem_seed', 'sample_job', 'verify_job', 'search_job', 'revise_job', 'edit_distance',
+           'seeded', 'sample_solutions', 'sample_steps', 'verify', 'search', 'nested_lengths', 'revise', 'Handle',
+           'problem_seed', 'sample_job', 'verify_job', 'search_job', 'revise_job', 'edit_distance',
            'revision_conversations', 'mc_labels', 'mc_job']
 
 # %% ../../../nbs/18_test_time.ipynb #ed3ea4d3
@@ -635,85 +633,47 @@ def fit(base: Preset, run: TaskRun, seq_len: int, start: str | os.PathLike | Non
     return finetune(task_preset(base, run, seq_len, model), start, out, conversations)
 
 # %% ../../../nbs/18_test_time.ipynb #9d4307c3
-@dataclass
-class TaskModel:
-    model: nn.Module
-    tok: HFTokenizer
-    end: int              # the end-of-turn id
-    stops: torch.Tensor   # ids that end a search step: every id whose text holds a newline, and the end of turn
-    plus: int
-    minus: int
-
-    @classmethod
-    def load(cls, config, checkpoint: str | os.PathLike, tokenizer_path: str | os.PathLike) -> TaskModel:
-        tok = HFTokenizer.from_file(tokenizer_path)
-        end = chat_ids(tok)[END]
-        newline = [i for i in range(tok.vocab_size) if "\n" in tok.tok.decode([i], skip_special_tokens=False)]
-        plus, minus = (tok.encode(s) for s in (PLUS, MINUS))
-        return cls(load_model(config, checkpoint).eval(), tok, end, torch.tensor([*newline, end]), *plus, *minus)
-
-    def ask(self, content: str) -> list[int]:
-        "The ids of a one-turn chat up to the assistant's first id."
-        return render(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True)[0]
-
-    def text(self, ids) -> str:
-        return self.tok.tok.decode(list(ids))
-
 def seeded(*keys: int) -> int:
     "A generator seed derived from integer keys (a run's seed, a question, a round)."
     return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
 
-def sample_solutions(m: TaskModel, prompts: list[str], n: int, max_new_tokens: int, temperature: float,
+def sample_solutions(m: ChatModel, prompts: list[str], n: int, max_new_tokens: int, temperature: float,
                      seed: int) -> list[list[str]]:
     "n sampled solutions of each prompt (P × n texts), each prompt drawn under (seed, its index)."
     replies = sample_replies(m.model, [m.ask(p) for p in prompts], n, max_new_tokens, m.end, temperature, seed)
     return [[m.text(y) for y in ys] for ys in replies]
 
-@torch.no_grad()
-def sample_steps(m: TaskModel, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
-    "Each prompt's continuation up to and including its first stop id (≤ max_tokens ids); equal lengths decode as one batch."
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    out: list[list[int]] = [[] for _ in prompts]
-    limit = m.model.config.max_seq_len
-    for j, (length, idx) in enumerate(groups.items()):
-        room = min(max_tokens, limit - length)
-        if room < 1:
-            continue                                        # no room left: an empty step, which ends the search
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        for nxt, _ in decode_steps(m.model, torch.tensor([prompts[i] for i in idx]), room, temperature, seed=seed + j):
-            for r in (~done).nonzero().flatten().tolist():
-                out[idx[r]].append(int(nxt[r]))
-            done |= torch.isin(nxt, m.stops)
-            if bool(done.all()):
-                break
-    return out
+def sample_steps(m: ChatModel, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+    "Each prompt's continuation up to and including its first line end or end of turn (≤ max_tokens ids; none without room)."
+    steps = generate(m.model, prompts, max_tokens, temperature=temperature, stop_ids=(*m.line_ends, m.end), seed=seed,
+                     require_room=False)
+    return [c.ids for (c,) in steps]
+
 
 # %% ../../../nbs/18_test_time.ipynb #e8d640a1
 @torch.no_grad()
-def verify(m: TaskModel, questions: list[str], solutions: list[list[str]], process: bool, chunk: int = 32) -> list[list[float]]:
+def verify(m: ChatModel, questions: list[str], solutions: list[list[str]], process: bool, chunk: int = 32) -> list[list[float]]:
     "The verifier's p(+) of each solution's lines (PRM: one per line; ORM: one): K solutions → K score lists."
     convs = []
     for q, lines in zip(questions, solutions, strict=True):
         lines = lines if process or not lines else ["\n".join(lines)]
-        convs.append(render(m.tok, verifier_turns(q, lines, [True] * len(lines)))[0] if lines else [])
+        convs.append(render(m.tokenizer, verifier_turns(q, lines, [True] * len(lines)))[0] if lines else [])
     scores: list[list[float]] = [[] for _ in convs]
     order = sorted((i for i, c in enumerate(convs) if c), key=lambda i: len(convs[i]))
-    assistant = chat_ids(m.tok)["<|assistant|>"]
+    assistant, (plus,), (minus,) = chat_ids(m.tokenizer)["<|assistant|>"], m.tokenizer.encode(PLUS), m.tokenizer.encode(MINUS)
     for start in range(0, len(order), chunk):
         idx = order[start:start + chunk]
         width = len(convs[idx[-1]])
         ids = torch.tensor([convs[i] + [m.end] * (width - len(convs[i])) for i in idx])   # (b, L)
         logits = m.model(ids)                                                               # (b, L, V)
-        pm = torch.log_softmax(logits[..., [m.plus, m.minus]].float(), -1)[..., 0].exp()   # (b, L) p(+) at each position
+        pm = torch.log_softmax(logits[..., [plus, minus]].float(), -1)[..., 0].exp()       # (b, L) p(+) at each position
         for r, i in enumerate(idx):
             slots = [t for t, x in enumerate(convs[i]) if x == assistant]
             scores[i] = pm[r, slots].tolist()
     return scores
 
 # %% ../../../nbs/18_test_time.ipynb #c436be31
-def search(policy: TaskModel, prm: TaskModel, problem: Problem, cfg: SearchConfig, step_tokens: int,
+def search(policy: ChatModel, prm: ChatModel, problem: Problem, cfg: SearchConfig, step_tokens: int,
            temperature: float, seed: int) -> dict:
     "One PRM beam search (with lookahead if cfg says): the chosen answer, whether it is right, and the cost."
     base, calls = policy.ask(solution_prompt(problem.prompt)), itertools.count()
@@ -737,7 +697,7 @@ def nested_lengths(budget: int) -> list[int]:
     "Chain c's length: the longest split (C, L) of a power of two ≤ budget with C > c."
     return [budget >> (c.bit_length()) for c in range(budget)]
 
-def revise(reviser: TaskModel, problem: Problem, budget: int, max_new_tokens: int, temperature: float, context: int,
+def revise(reviser: ChatModel, problem: Problem, budget: int, max_new_tokens: int, temperature: float, context: int,
            seed: int) -> list[list[str]]:
     "Nested revision chains of one question: chain c holds nested_lengths(budget)[c] attempts, each seeing the last `context`."
     lengths, chains = nested_lengths(budget), [[] for _ in range(budget)]
@@ -758,8 +718,8 @@ class Handle:
     checkpoint: str
     tokenizer: str
 
-    def load(self) -> TaskModel:
-        return TaskModel.load(self.config, self.checkpoint, self.tokenizer)
+    def load(self) -> ChatModel:
+        return ChatModel.load(self.checkpoint, self.tokenizer, self.config)
 
 def problem_seed(seed: int, problem: Problem) -> int:
     "The seed of everything drawn for one problem: the run's seed and the problem's id (its stream seed and index)."
@@ -816,13 +776,13 @@ def revision_conversations(problem: Problem, texts: list[str], context: int, rng
     return out
 
 # %% ../../../nbs/18_test_time.ipynb #3c16eb59
-def mc_labels(m: TaskModel, problem: Problem, text: str, rollouts: int, max_new_tokens: int, temperature: float,
+def mc_labels(m: ChatModel, problem: Problem, text: str, rollouts: int, max_new_tokens: int, temperature: float,
               seed: int) -> list[float]:
     "Per line of a sample: the share of `rollouts` continuations of the solution up to and including it that are right."
     lines = solution_lines(text)
     heads = ["\n".join(lines[:k + 1]) + "\n" for k in range(len(lines))]
     base = m.ask(solution_prompt(problem.prompt))
-    tails = sample_replies(m.model, [base + m.tok.encode(h) for h in heads], rollouts, max_new_tokens, m.end, temperature, seed)
+    tails = sample_replies(m.model, [base + m.tokenizer.encode(h) for h in heads], rollouts, max_new_tokens, m.end, temperature, seed)
     return [float(np.mean([is_correct(h + m.text(y), problem.answer) for y in ys])) for h, ys in zip(heads, tails)]
 
 def mc_job(h: Handle, items: list[tuple[Problem, str, int]], rollouts: int, max_new_tokens: int, temperature: float,

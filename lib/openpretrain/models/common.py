@@ -22,7 +22,7 @@ from ..core import ConfigError, resolve_device
 # %% auto #0
 __all__ = ['require_positive', 'RMSNorm', 'rope_inv_freq', 'Rotary', 'apply_rope', 'AttnMask', 'document_segments',
            'document_positions', 'attention_mask', 'KVCache', 'Attention', 'sample_next', 'check_generate_args',
-           'decode_steps', 'generate', 'generate_greedy', 'materialize', 'param_counts', 'cache_bytes_per_token']
+           'decode_steps', 'generate', 'materialize', 'param_counts', 'cache_bytes_per_token']
 
 # %% ../../../nbs/05a_common.ipynb #966365ac
 def require_positive(config, *names: str) -> None:
@@ -244,23 +244,6 @@ def generate(model: nn.Module, prompt_ids: Tensor, max_new_tokens: int, temperat
             break
     new = torch.cat(out, dim=1)                                          # (B, ≤ T0 + max_new_tokens)
     return F.pad(new, (0, prompt_ids.shape[1] + max_new_tokens - new.shape[1]), value=eos_id or 0)
-
-# %% ../../../nbs/05a_common.ipynb #7d79fcc7
-def generate_greedy(model: nn.Module, prompts: list[list[int]], max_new: list[int], eos_id: int | None = None,
-                    batch_size: int = 8) -> list[list[int]]:
-    "Greedy continuations of prompts of any lengths, each cut before its first `eos_id`; equal (length, budget) ones decode as one batch."
-    jobs: dict[tuple[int, int], list[int]] = {}             # (prompt length, new ids) → prompts decoded together
-    for i, (prompt, n) in enumerate(zip(prompts, max_new, strict=True)):
-        jobs.setdefault((len(prompt), n), []).append(i)
-    out: list[list[int]] = [[] for _ in prompts]
-    device = next(model.parameters()).device
-    for (t0, n), idx in jobs.items():
-        for start in range(0, len(idx), batch_size):
-            chunk = idx[start:start + batch_size]
-            new = generate(model, torch.tensor([prompts[i] for i in chunk], device=device), n, eos_id=eos_id)[:, t0:]   # (b, n)
-            for i, row in zip(chunk, new.tolist()):
-                out[i] = row[:row.index(eos_id)] if eos_id in row else row
-    return out
 
 # %% ../../../nbs/05a_common.ipynb #04106d6d
 def materialize(model: nn.Module, device: str | torch.device, init) -> nn.Module:

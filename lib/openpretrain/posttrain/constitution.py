@@ -14,7 +14,6 @@ import json
 import math
 import random
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -174,24 +173,11 @@ class ConstitutionConfig:
     seed: int = 0                              # system-prompt and persona draws and each request's sampler seed
     pairs: PairConfig = field(default_factory=PairConfig)  # on-policy references per prompt (report: 10), rejected tier (q ≤ 0.2)
 
-def _chats(client: ChatClient, requests: list[tuple[list[dict], dict]], errors: bool = False) -> list:
-    "Replies to (messages, sampling) requests in order, max_concurrency in flight; with `errors`, a ChatError in a reply's place."
-    def one(request):
-        try:
-            return client.chat(request[0], **request[1])
-        except ChatError as e:
-            if errors:
-                return e
-            raise
-    with ThreadPoolExecutor(client.max_concurrency) as pool:
-        return list(pool.map(one, requests))
-
 def classify(client: ChatClient, prompts: list[Prompt], c: ConstitutionConfig) -> list[Sensitivity]:
     "Each prompt's sensitivity level from the classifier at temperature 0, in order; unparsed or failed ones say so."
-    asks = [([{"role": "user", "content": SENSITIVITY.format(prompt=p.text)}],
-             {"temperature": 0.0, "max_tokens": c.classifier_tokens}) for p in prompts]
+    asks = [[{"role": "user", "content": SENSITIVITY.format(prompt=p.text)}] for p in prompts]
     return [Sensitivity(None, "", str(r)) if isinstance(r, ChatError) else Sensitivity(parse_sensitivity(r.text), r.text)
-            for r in _chats(client, asks, errors=True)]
+            for r in client.chat_many(asks, errors=True, temperature=0.0, max_tokens=c.classifier_tokens)]
 
 # %% ../../../nbs/17b_constitution.ipynb #74d9174b
 STYLES = {   # one system prompt per kind (ours; the report's Appendix J.2 lists 8–11 per kind)
@@ -252,9 +238,10 @@ def completions(tracks: Tracks, prompt: Prompt, track: str, c: ConstitutionConfi
     out = []
     for policy in tracks.policies:
         systems = [system_prompt(track, rng, tracks.personas) for _ in range(c.pairs.n_refs if policy.on_policy else c.samples)]
-        asks = [([{"role": "system", "content": s}, {"role": "user", "content": prompt.text}],
-                 {"temperature": c.temperature, "max_tokens": c.max_tokens, "seed": rng.randrange(2**31)}) for s in systems]
-        out += [Completion(policy.name, s, r.text, policy.on_policy) for s, r in zip(systems, _chats(policy.client, asks))]
+        asks = [[{"role": "system", "content": s}, {"role": "user", "content": prompt.text}] for s in systems]
+        replies = policy.client.chat_many(asks, seeds=[rng.randrange(2**31) for _ in systems], temperature=c.temperature,
+                                          max_tokens=c.max_tokens)
+        out += [Completion(policy.name, s, r.text, policy.on_policy) for s, r in zip(systems, replies)]
     return out
 
 # %% ../../../nbs/17b_constitution.ipynb #9b546d8c

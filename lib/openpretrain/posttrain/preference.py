@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import ConfigError, Preset, bounded
-from ..models.common import generate
-from ..models.registry import context_limit
-from .sft import END, chat_ids, render, sft_preset, translate
+from ..chat import END, chat_ids
+from ..engine import ChatModel, check_room, generate
+from .sft import sft_preset, translate
 from ..tokenization import HFTokenizer
 from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
 from ..training.plan import fingerprint, plan
@@ -278,19 +278,13 @@ def alignment_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: i
     return Preset(name=f"{p.name}-alignment", path=q.path, raw=q.raw, lines=q.lines)
 
 # %% ../../../nbs/17_alignment.ipynb #799da59c
-@torch.no_grad()
 def sample_replies(model: nn.Module, prompts: list[list[int]], n: int, max_new_tokens: int, end_id: int,
                    temperature: float, seed: int) -> list[list[list[int]]]:
     "n sampled replies per prompt, each up to and including its first `end_id`: P prompts → P × n id lists."
-    limit, out = context_limit(model.config), []
-    for i, ids in enumerate(prompts):
-        room = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
-        if room < 1:
-            raise ValueError(f"prompt {i} has {len(ids)} ids: no room to answer within the context {limit}")
-        s = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-        new = generate(model, torch.tensor([ids]).expand(n, -1), room, temperature, seed=s, eos_id=end_id)[:, len(ids):]
-        out.append([row[:row.index(end_id) + 1] if end_id in row else row for row in new.tolist()])
-    return out
+    check_room(model, prompts, [max_new_tokens] * len(prompts))
+    return [[c.ids for c in generate(model, [ids], max_new_tokens, temperature=temperature, n=n, stop_ids=(end_id,),
+                                      seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))[0]]
+            for i, ids in enumerate(prompts)]
 
 def chrf_rewards(tokenizer, replies: list[list[list[int]]], references: list[str]) -> Tensor:
     "Sentence chrF (sacrebleu's defaults) of each decoded reply against its prompt's reference: P × k → (P, k)."
@@ -350,13 +344,11 @@ def sequence_kl(policy: nn.Module, reference: nn.Module, prompts: list[list[int]
 def held_out(config, checkpoint: str | os.PathLike, reference: str | os.PathLike, tokenizer_path: str | os.PathLike,
              asks: list[list[dict]], references: list[str], c: AlignmentConfig, seed: int) -> pd.DataFrame:
     "Per held-out item: the greedy answer and its length; over `eval_samples` answers the mean chrF, KL term and turns closed."
-    tok = HFTokenizer.from_file(tokenizer_path)
-    end = chat_ids(tok)[END]
-    model, ref = load_model(config, checkpoint).eval(), load_model(config, reference).eval()
-    prompts = [render(tok, m, add_generation_prompt=True)[0] for m in asks]
-    sampled = sample_replies(model, prompts, c.eval_samples, c.max_new_tokens, end, 1.0, seed)
-    greedy = translate(model, tok, asks, c.max_new_tokens)
-    return pd.DataFrame({"hypothesis": greedy, "length": [len(tok.encode(h)) for h in greedy],
-                         "sampled chrF": chrf_rewards(tok, sampled, references).mean(1).numpy(),
-                         "KL": sequence_kl(model, ref, prompts, sampled, 0).mean(1).numpy(),
-                         "closed": [np.mean([y[-1] == end for y in ys]) for ys in sampled]})
+    chat, ref = ChatModel.load(checkpoint, tokenizer_path, config), load_model(config, reference).eval()
+    prompts = [chat.ask(m) for m in asks]
+    sampled = sample_replies(chat.model, prompts, c.eval_samples, c.max_new_tokens, chat.end, 1.0, seed)
+    greedy = translate(chat, asks, c.max_new_tokens)
+    return pd.DataFrame({"hypothesis": greedy, "length": [len(chat.tokenizer.encode(h)) for h in greedy],
+                         "sampled chrF": chrf_rewards(chat.tokenizer, sampled, references).mean(1).numpy(),
+                         "KL": sequence_kl(chat.model, ref, prompts, sampled, 0).mean(1).numpy(),
+                         "closed": [np.mean([y[-1] == chat.end for y in ys]) for ys in sampled]})

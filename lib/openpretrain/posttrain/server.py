@@ -36,43 +36,14 @@ from starlette.routing import Route
 
 from fastcore.basics import patch
 
+from ..chat import END, chat_ids, check_messages, render
 from ..core import ConfigError, bounded, from_dict
-from ..models.common import decode_steps
-from ..models.registry import config_class, context_limit
-from .sft import END, chat_ids, check_messages, render
-from ..tokenization import HFTokenizer
-from ..training.checkpoint import CheckpointError, load_model, verify_checkpoint
+from ..engine import ChatModel, room, stream
+from ..training.checkpoint import CheckpointError
 
 # %% auto #0
-__all__ = ['Served', 'load_served', 'BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', 'app', 'serving', 'main',
-           'ChatError', 'Reply', 'ChatClient']
-
-# %% ../../../nbs/17a_server.ipynb #82dc80db
-@dataclass(frozen=True)
-class Served:
-    model: torch.nn.Module     # in eval mode, fp32, CPU
-    tokenizer: HFTokenizer     # a chat tokenizer (chapter 16's markers)
-    name: str                  # what /v1/models lists and requests name
-    context: int | None        # the model's context in ids (None: no positional limit)
-
-def load_served(checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | None = None, name: str = "openpretrain") -> Served:
-    "The verified checkpoint's model (config from its fingerprint) with its chat tokenizer; ConfigError / CheckpointError naming what is wrong."
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise CheckpointError(f"--checkpoint {path}: no such checkpoint folder")
-    recorded = verify_checkpoint(path)["fingerprint"].get("model") or {}
-    config = config_class(recorded.get("arch", "dense"))(**recorded)
-    if tokenizer is None:
-        tokenizer = next((p / "tokenizer.json" for p in path.resolve().parents if (p / "tokenizer.json").is_file()), None)
-        if tokenizer is None:
-            raise ConfigError(f"no tokenizer.json in the folders above {path}: pass --tokenizer")
-    if not Path(tokenizer).is_file():
-        raise ConfigError(f"--tokenizer {tokenizer}: no such file")
-    tok = HFTokenizer.from_file(tokenizer)
-    chat_ids(tok)                                                   # ConfigError without the markers
-    if tok.vocab_size != config.vocab_size:
-        raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size:,} ids, the model {config.vocab_size:,}")
-    return Served(load_model(config, path).eval(), tok, name, context_limit(config))
+__all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', 'app', 'serving', 'main', 'ChatError', 'Reply',
+           'ChatClient']
 
 # %% ../../../nbs/17a_server.ipynb #08199514
 class BadRequest(Exception):
@@ -138,19 +109,18 @@ def _token(tokenizer, i: int, logprob: float) -> dict:
     text = tokenizer.tok.decode([i], skip_special_tokens=False)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-def reply_steps(served: Served, prompt: list[int], s: Sampling, end_id: int | None) -> Iterator[tuple[str, dict | None, str | None, int]]:
+def reply_steps(served: ChatModel, prompt: list[int], s: Sampling, end_id: int | None) -> Iterator[tuple[str, dict | None, str | None, int]]:
     "Yield (new text, this step's logprob entry or None, the finish reason once done, reply ids so far) for the prompt ids."
-    room = s.max_tokens if served.context is None else min(s.max_tokens, served.context - len(prompt))
     ids, sent, hold = [], 0, max((len(x) for x in s.stop), default=1) - 1
-    steps = decode_steps(served.model, torch.tensor([prompt]), room, s.temperature, s.top_p, s.seed) if room else iter(())
-    for nxt, logits in steps:
-        i = int(nxt[0])
+    stops = () if end_id is None else (end_id,)
+    for i, logits in stream(served.model, prompt, s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                            stop_ids=stops, seed=s.seed):
         if i == end_id:
             break
         ids.append(i)
         entry = None
         if s.logprobs:
-            logp = torch.log_softmax(logits[0].float(), -1)          # (V,)
+            logp = torch.log_softmax(logits.float(), -1)             # (V,)
             top = logp.topk(s.top_logprobs)
             entry = {**_token(served.tokenizer, i, float(logp[i])),
                      "top_logprobs": [_token(served.tokenizer, int(j), float(v)) for v, j in zip(top.values, top.indices)]}
@@ -164,7 +134,7 @@ def reply_steps(served: Served, prompt: list[int], s: Sampling, end_id: int | No
             yield text[sent:max(ready, sent)], entry, None, len(ids)
             sent = max(ready, sent)
     text = served.tokenizer.tok.decode(ids)
-    yield text[sent:], None, "stop" if len(ids) < room else "length", len(ids)
+    yield text[sent:], None, "stop" if len(ids) < room(served.model, len(prompt), s.max_tokens) else "length", len(ids)
 
 # %% ../../../nbs/17a_server.ipynb #52487165
 async def _events(steps, head: dict, chat: bool):
@@ -213,7 +183,7 @@ async def _body(request: Request, limit: int) -> dict:
     return body
 
 # %% ../../../nbs/17a_server.ipynb #627ce862
-def app(served: Served, c: ServeConfig | None = None) -> Starlette:
+def app(served: ChatModel, c: ServeConfig | None = None) -> Starlette:
     "The OpenAI-compatible ASGI app over a loaded model."
     c = c or ServeConfig()
     slots, waiting = anyio.Semaphore(c.max_concurrency), [0]
@@ -324,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         c = from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name,
                                     "max_tokens": args.max_tokens, "max_concurrency": args.max_concurrency}, "serve")
-        served = load_served(args.checkpoint, args.tokenizer, c.name)
+        served = ChatModel.load(args.checkpoint, args.tokenizer, name=c.name)
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
         print(f"openpretrain serve: {e}", file=sys.stderr)
         return 2
@@ -428,7 +398,17 @@ def chat(self: ChatClient, messages: list[dict], **sampling) -> Reply:
     return reply
 
 @patch
-def chat_many(self: ChatClient, conversations: list[list[dict]], **sampling) -> list[Reply]:
-    "Replies to many conversations, in order, with at most `max_concurrency` requests in flight."
+def chat_many(self: ChatClient, conversations: list[list[dict]], seeds: list[int] | None = None, errors: bool = False,
+              **sampling) -> list[Reply | ChatError]:
+    "Replies in order, `max_concurrency` in flight; conversation i sampled under seeds[i]; `errors`: a ChatError in a failed reply's place."
+    def one(i: int) -> Reply | ChatError:
+        try:
+            return self.chat(conversations[i], **sampling, **({} if seeds is None else {"seed": seeds[i]}))
+        except ChatError as e:
+            if errors:
+                return e
+            raise
+    if seeds is not None and len(seeds) != len(conversations):
+        raise ValueError(f"{len(seeds)} seeds for {len(conversations)} conversations")
     with ThreadPoolExecutor(self.max_concurrency) as pool:
-        return list(pool.map(lambda m: self.chat(m, **sampling), conversations))
+        return list(pool.map(one, range(len(conversations))))

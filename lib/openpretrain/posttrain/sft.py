@@ -24,73 +24,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
+from ..chat import END, JINJA, chat_tokenizer, render
 from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_dict
-from ..models.common import generate_greedy
+from ..engine import ChatModel
 from ..models.registry import build_model
-from ..tokenization import HFTokenizer, load_tokenizer
+from ..tokenization import load_tokenizer
 from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
                                                verify_checkpoint, write_checkpoint)
 from ..training.data import Batch
 from ..training.plan import fingerprint, plan
 from ..training.trainer import train
 
-ROLES = ("system", "user", "assistant")
-END = "<|end|>"
-CHAT_TOKENS = (*(f"<|{r}|>" for r in ROLES), END)   # appended after the base vocabulary, in this order
-JINJA = ("{{ bos_token }}{% for m in messages %}"
-         "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-         "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
-         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
-
-def chat_tokenizer(base) -> HFTokenizer:
-    "`base` with the chat markers as special tokens after its vocabulary (ids V … V + 3)."
-    from tokenizers import AddedToken, Tokenizer as HFTok
-    if not isinstance(base, HFTokenizer):
-        raise ConfigError(f"tokenizer '{base.name}': chat markers are appended to Hugging Face tokenizers only "
-                          "(Tekken reserves its control ids below 1,000; mapping Apertus's markers onto them is not done here)")
-    tok = HFTok.from_str(base.tok.to_str())
-    if any(tok.token_to_id(t) is not None for t in CHAT_TOKENS):
-        raise ConfigError(f"tokenizer '{base.name}' already holds a chat marker; it is not a base tokenizer")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
-    return HFTokenizer(f"{base.name}+chat", tok)
-
-def chat_ids(tokenizer) -> dict[str, int]:
-    "marker → id in a chat tokenizer; ConfigError if one is missing."
-    ids = {t: tokenizer.tok.token_to_id(t) if isinstance(tokenizer, HFTokenizer) else None for t in CHAT_TOKENS}
-    if None in ids.values():
-        raise ConfigError(f"tokenizer '{tokenizer.name}' has no chat markers {CHAT_TOKENS}: build it with chat_tokenizer")
-    return ids
-
 # %% auto #0
-__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'SOURCES', 'PUBLISHED', 'chat_tokenizer', 'chat_ids', 'check_messages',
-           'render', 'Rows', 'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'udhr_pairs',
+__all__ = ['SOURCES', 'PUBLISHED', 'Rows', 'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'udhr_pairs',
            'firefox_pairs', 'source_licences', 'conversation', 'test_index', 'sft_data', 'finetune', 'main',
            'publish_sft', 'published_sft', 'translate', 'scores', 'export_chat']
-
-# %% ../../../nbs/16_sft.ipynb #87f93f62
-def check_messages(messages) -> None:
-    "A list of {role, content} turns with known roles and text content; ValueError naming the first bad turn."
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"a conversation is a non-empty list of turns, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise ValueError(f"turn {i}: {m!r} is not a {{role: {' | '.join(ROLES)}, content: str}} turn")
-
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-    "The conversation's ids in the template, and which of them are targets (assistant content and its <|end|>)."
-    check_messages(messages)
-    marker = chat_ids(tokenizer)
-    ids, target = [tokenizer.bos_id], [False]
-    for m in messages:
-        body = [*tokenizer.encode(m["content"]), marker[END]]
-        ids += [marker[f"<|{m['role']}|>"], *body]
-        target += [False, *[m["role"] == "assistant"] * len(body)]
-    if add_generation_prompt:
-        ids.append(marker["<|assistant|>"])
-        target.append(False)
-    return ids, target
 
 # %% ../../../nbs/16_sft.ipynb #04735686
 @dataclass(frozen=True)
@@ -362,16 +311,9 @@ def published_sft(root: str | os.PathLike) -> tuple[Path, Path]:
     return folder / "model", folder / "tokenizer.json"
 
 # %% ../../../nbs/16_sft.ipynb #3ecedaa8
-@torch.no_grad()
-def translate(model: nn.Module, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 16) -> list[str]:
-    "Greedy replies to conversations ending in a user turn, each cut at the model's <|end|>."
-    end, limit = chat_ids(tokenizer)[END], getattr(model.config, "max_seq_len", None)
-    ids = [render(tokenizer, m, add_generation_prompt=True)[0] for m in prompts]
-    rooms = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(x)) for x in ids]   # within the context
-    if too_long := [i for i, room in enumerate(rooms) if room < 1]:
-        raise ValueError(f"prompt {too_long[0]} has {len(ids[too_long[0]])} ids: no room to answer within the context {limit}")
-    model.eval()
-    return [tokenizer.tok.decode(row) for row in generate_greedy(model, ids, rooms, end, batch_size)]
+def translate(chat: ChatModel, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 16) -> list[str]:
+    "Greedy replies to conversations ending in a user turn, each cut at the model's <|end|> (chapter 10d's engine)."
+    return [chat.text(c.body) for (c,) in chat.reply(prompts, max_new_tokens, batch_size=batch_size)]
 
 def scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
     "Corpus BLEU and chrF (sacrebleu defaults) of hypotheses against one reference each."
