@@ -142,6 +142,6 @@ def test_resume_from_sharded_checkpoint_reproduces_fsdp2_losses_bit_for_bit(shar
 
 def test_sharded_checkpoint_consolidates_into_one_process_with_the_fsdp2_logits(sharded_run):
     ckpt = sharded_run.out / "checkpoints" / "step-00000006"     # rewritten by the resumed run
-    model = load_model(model_config(load_preset(sharded_run.preset)), ckpt).eval()
+    model = load_model(ckpt, model_config(load_preset(sharded_run.preset))).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(torch.tensor(PROBE)), sharded_run.logits, rtol=1e-6, atol=1e-6)

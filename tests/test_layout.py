@@ -89,3 +89,37 @@ def test_the_report_folders_the_manifest_lists_are_not_git_ignored():
     probe = [f"outputs/tiny/{kind}/00_core-x" for kind in ARTIFACT_KINDS]
     ignored = subprocess.run(["git", "check-ignore", *probe], cwd=project_root(), capture_output=True, text=True)
     assert ignored.stdout.split() == []
+
+
+FAMILIES = {"openpretrain.models.dense", "openpretrain.models.hybrid", "openpretrain.models.mamba2", "openpretrain.models.moe"}
+OUTSIDE_MODELS = sorted(m for m in EXPORTERS if not m.startswith("openpretrain.models."))
+
+
+def family_fields_read(module: str) -> list[int]:
+    "Lines where a module reads `max_seq_len` (an attribute or a key): a dense-family field the registry answers for."
+    tree = ast.parse(module_file(module).read_text())
+    return [n.lineno for n in ast.walk(tree) if (isinstance(n, ast.Attribute) and n.attr == "max_seq_len")
+            or (isinstance(n, ast.Constant) and n.value == "max_seq_len")]
+
+
+@pytest.mark.parametrize("module", OUTSIDE_MODELS)
+def test_the_registry_is_the_only_door_to_a_model_family(module):
+    "No module outside models/ imports a family's module or reads its context length: it asks the registry."
+    assert not imported_modules(module) & FAMILIES, f"{module} imports {imported_modules(module) & FAMILIES}"
+    assert not family_fields_read(module), f"{module} reads max_seq_len at lines {family_fields_read(module)}"
+
+
+@pytest.mark.parametrize("module", OUTSIDE_MODELS)
+def test_only_the_checkpoint_module_writes_a_checkpoint_state(module):
+    "A checkpoint's state.json is written (and named) by training.checkpoint alone: the others go through its functions."
+    tree = ast.parse(module_file(module).read_text())
+    named = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "state.json"]
+    assert module == "openpretrain.training.checkpoint" or not named, f"{module} names state.json at lines {named}"
+
+
+def test_the_door_guards_can_fail():
+    "The scans see what they guard against: a family read, a family imported, the checkpoint module naming state.json."
+    assert family_fields_read("openpretrain.models.dense")
+    assert imported_modules("openpretrain.models.hybrid") & FAMILIES            # the hybrid is built of Mamba-2 and MoE
+    tree = ast.parse(module_file("openpretrain.training.checkpoint").read_text())
+    assert any(isinstance(n, ast.Constant) and n.value == "state.json" for n in ast.walk(tree))

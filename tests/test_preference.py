@@ -158,7 +158,7 @@ def test_our_dpo_equals_trl_dpo_trainer_sigmoid_norm(tmp_path):
         loader = PreferenceLoader(PreferenceBatch(*preference_rows([[1]], [[[2], [3]]], 0), torch.zeros(1, 2), torch.zeros(1, 2)), 1)
         ckpt = save_checkpoint(tmp_path / name, models[name], torch.optim.SGD(models[name].parameters()), loader, 0,
                                "full", {"model": to_dict(config)})
-        exports[name] = AutoModelForCausalLM.from_pretrained(export_hf(config, ckpt, tmp_path / f"{name}-hf"))
+        exports[name] = AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / f"{name}-hf"))
     trainer = DPOTrainer(model=exports["policy"], ref_model=exports["reference"], processing_class=hf_tok,
                          train_dataset=Dataset.from_list([pair_texts(i) for i in range(6)]),
                          args=TRLConfig(output_dir=str(tmp_path / "trl"), loss_type=["sigmoid_norm"], beta=5.0,
@@ -195,8 +195,8 @@ def test_a_qrpo_run_through_align_raises_the_chosen_and_lowers_the_rejected(tmp_
     kept = align(p, init, tok_path, tmp_path / "run", data, QRPOConfig())
     assert [verify_checkpoint(c)["step"] for c in kept] == [1, 2]                   # the curve point, then the final one
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
-    objective = PreferenceObjective(load_model(pl.model, init), QRPOConfig())
+    objective = PreferenceObjective(load_model(init, pl.model), QRPOConfig())
     with torch.no_grad():
-        moved = objective.logratio(load_model(pl.model, kept[-1]), data).mean(0)   # (2,): chosen, rejected
+        moved = objective.logratio(load_model(kept[-1], pl.model), data).mean(0)   # (2,): chosen, rejected
     assert moved[0] > 0 > moved[1], moved
     assert align(p, init, tok_path, tmp_path / "run", data, QRPOConfig()) == kept  # a finished run resumes to itself

@@ -90,7 +90,7 @@ def test_accumulation_does_not_change_the_loss_or_the_weights(tmp_path, base_che
     losses = {mb: [r["loss"] for r in read_metrics(tmp_path / f"mb{mb}" / "run" / "metrics.jsonl")] for mb in finals}
     assert len(losses[8]) >= 2 and losses[8] == pytest.approx(losses[2], rel=1e-5)
     config = plan(sft_preset(small_preset(), tmp_path / "mb8" / "tokenizer.json", TOK.vocab_size, 1)).model
-    a, b = (load_model(config, finals[mb]).state_dict() for mb in (8, 2))
+    a, b = (load_model(finals[mb], config).state_dict() for mb in (8, 2))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     # the alternative the public trainer avoids: a mean per micro-batch weighs them by 1 / their own target count
     loader = SFTLoader(sft_rows(TOK, convs, 128), 2, TOK.bos_id)
@@ -109,7 +109,7 @@ def test_the_grown_start_keeps_every_old_score_and_averages_the_new_rows(tmp_pat
     p = small_preset()
     base_config = plan(p).model
     grown_config = type(base_config)(**{**to_dict(base_config), "vocab_size": TOK.vocab_size})
-    base, grown = load_model(base_config, base_checkpoint), load_model(grown_config, chat_start(base_config, base_checkpoint, grown_config, tmp_path))
+    base, grown = load_model(base_checkpoint, base_config), load_model(chat_start(base_config, base_checkpoint, grown_config, tmp_path), grown_config)
     x = torch.randint(3, 2048, (2, 16))
     with torch.no_grad():
         assert torch.allclose(grown(x)[..., :2048], base(x))
@@ -122,7 +122,7 @@ def test_the_export_carries_the_template_and_generates_as_we_do(tmp_path, base_c
     from openpretrain.models.common import generate
     final = finetune(small_preset(), base_checkpoint, tmp_path / "run", [chat(i) for i in range(48)])
     config = plan(sft_preset(small_preset(), tmp_path / "run" / "tokenizer.json", TOK.vocab_size, 1)).model
-    out = export_chat(config, final, TOK, tmp_path / "hf")
+    out = export_chat(final, TOK, tmp_path / "hf")
     hf_tok, hf_model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
     messages = chat(3)["messages"][:2]
     ids = render(TOK, messages, add_generation_prompt=True)[0]
@@ -130,7 +130,7 @@ def test_the_export_carries_the_template_and_generates_as_we_do(tmp_path, base_c
     assert hf_tok.eos_token == END and hf_tok.convert_tokens_to_ids(END) == chat_ids(TOK)[END]
     theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=chat_ids(TOK)[END],
                                pad_token_id=hf_tok.pad_token_id)[0, len(ids):].tolist()
-    mine = generate(load_model(config, final), torch.tensor([ids]), 12, eos_id=chat_ids(TOK)[END])[0, len(ids):].tolist()
+    mine = generate(load_model(final, config), torch.tensor([ids]), 12, eos_id=chat_ids(TOK)[END])[0, len(ids):].tolist()
     assert theirs == mine[:len(theirs)]
     with pytest.raises(Exception, match="unknown role"):
         hf_tok.apply_chat_template([{"role": "tool", "content": "x"}])

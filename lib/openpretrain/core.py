@@ -9,6 +9,7 @@ outputs/<preset>/."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import fcntl
@@ -260,11 +261,12 @@ def _key_lines(node, prefix: str = "") -> dict[str, int]:
 # %% ../../nbs/00_core.ipynb #d3a520c5
 @dataclass
 class Preset:
-    "A loaded preset: its name, where it came from, its raw sections and the line of each key."
+    "A loaded preset: its name, where it came from, its raw sections, the line of each key and the code that set a knob."
     name: str
     path: Path
     raw: dict = field(repr=False)
     lines: dict = field(default_factory=dict, repr=False)
+    set_by: dict = field(default_factory=dict, repr=False)   # dotted knob → the code that set it (`derive`)
 
     @property
     def seed(self) -> int: return self.raw.get("seed", 0)
@@ -282,9 +284,12 @@ class Preset:
             raise ConfigError(f"{self.where(knob)}: {e}", e.field) from None
 
     def where(self, knob: str) -> str:
-        "`file:line` of a dotted knob (`pii.mode`, `model.layers[2]`), or of its nearest parent."
+        "The code that set a dotted knob (`pii.mode`, `model.layers[2]`) or a parent, else `file:line` of it or its nearest parent."
         parts = re.sub(r"\[\d+\]", "", knob).split(".")
-        line = next((self.lines[k] for i in range(len(parts), 0, -1) if (k := ".".join(parts[:i])) in self.lines), None)
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        if by := next((self.set_by[k] for k in prefixes if k in self.set_by), None):
+            return f"{by} (deriving {self.path.name})"
+        line = next((self.lines[k] for k in prefixes if k in self.lines), None)
         return f"{self.path}:{line}" if line else str(self.path)
 
 # %% ../../nbs/00_core.ipynb #9d128cec
@@ -322,6 +327,36 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
         raise ConfigError(f"{path}:{lines.get('preset', 1)}: preset name {name!r} must be lower-case words joined by "
                           "hyphens (it names the run's folders: runs/<name>, outputs/<name>)", "preset")
     return Preset(name=name, path=path, raw=raw, lines=lines)
+
+# %% ../../nbs/00_core.ipynb #ab486e82
+@patch_to(Preset)
+def derive(self, by: str, name: str | None = None, **edits) -> Preset:
+    "This preset with `edits` (section → {knob: value} merged over it, or a config replacing it; seed, device) set by `by`."
+    raw, set_by = copy.deepcopy(self.raw), dict(self.set_by)
+    for key, value in edits.items():
+        if key in ("seed", "device"):
+            _check_run_key(key, value, by)
+            raw[key], set_by[key] = value, by
+        elif key not in SECTIONS:
+            raise ConfigError(f"{by}: '{key}' is no section; sections: {', '.join(SECTIONS)}")
+        elif dataclasses.is_dataclass(value):
+            raw[key], set_by[key] = to_dict(value), by
+        elif isinstance(value, dict):
+            raw[key] = {**(raw.get(key) or {}), **{k: _plain(v) for k, v in value.items()}}
+            set_by |= {f"{key}.{knob}": by for knob in value}
+        else:
+            raise ConfigError(f"{by}: section '{key}' takes a mapping of knobs or a config, got {type(value).__name__}")
+    return Preset(name=name or self.name, path=self.path, raw=raw, lines=self.lines, set_by=set_by)
+
+def _plain(value):
+    "A knob's value as YAML would hold it: a config dataclass as its dict, anything else a copy."
+    return to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+
+def _check_run_key(key: str, value, by: str) -> None:
+    tp = RUN_KEY_TYPES[key]
+    if not isinstance(value, tp) or isinstance(value, bool) or (key == "seed" and not 0 <= value <= MAX_SEED):
+        expected = f"an int in [0, {MAX_SEED}]" if key == "seed" else f"a {tp.__name__}"
+        raise ConfigError(f"{by}: {key}: expected {expected}, got {value!r}", key)
 
 # %% ../../nbs/00_core.ipynb #aa807c89
 def seed_everything(seed: int) -> None:

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from .chat import END, chat_ids, render
 from .core import ConfigError
 from .models.common import decode_steps
-from .models.registry import config_class, context_limit
+from .models.registry import context_limit
 from .tokenization import HFTokenizer
-from .training.checkpoint import CheckpointError, load_model, verify_checkpoint
+from .training.checkpoint import CheckpointError, load_model, recorded_config
 
 # %% auto #0
 __all__ = ['room', 'check_room', 'batches', 'decode_batch', 'Completion', 'generate', 'stream', 'ChatModel']
@@ -153,9 +153,7 @@ def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | Non
     path = Path(checkpoint)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    if config is None:
-        recorded = verify_checkpoint(path)["fingerprint"].get("model") or {}
-        config = config_class(recorded.get("arch", "dense"))(**recorded)
+    config = config or recorded_config(path)
     if tokenizer is None:
         tokenizer = next((p / "tokenizer.json" for p in path.resolve().parents if (p / "tokenizer.json").is_file()), None)
         if tokenizer is None:
@@ -166,6 +164,6 @@ def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | Non
     chat_ids(tok)                                                   # ConfigError without the markers
     if tok.vocab_size != config.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size:,} ids, the model {config.vocab_size:,}")
-    return cls(load_model(config, path).eval(), tok, name)
+    return cls(load_model(path, config).eval(), tok, name)
 
 ChatModel.load = _load

@@ -31,7 +31,7 @@ from ..core import ConfigError, Preset, load_preset, project_root, resolve_devic
 from ..corpus import load_embedded, load_udhr
 from ..engine import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
-from ..models.registry import model_config
+from ..models.registry import context_limit, model_config
 from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
 from ..training.curriculum import load_curriculum
 from ..training.data import DataConfig, token_pools
@@ -54,7 +54,7 @@ class EvaluationConfig:
     mc_choices: int = 4           # the true continuation + distractors from the same language (XCOPA: 2, HellaSwag: 4)
     heldout_ngram: int = 13       # a text counts as trained on if one n-token window of it is in the curriculum (GPT-3's contamination check: 13)
     batch_size: int = 8           # sequences per forward
-    max_length: int | None = None  # context of the evaluated model; None → the model's max_seq_len, else 2048
+    max_length: int | None = None  # context of the evaluated model; None → the model's context (registry), else 2048
     tasks: list[str] = field(default_factory=lambda: ["openpretrain_bpb", "openpretrain_continuation"])  # run by the chapter / CLI
     hub_tasks: list[str] = field(default_factory=list)  # lm-eval hub tasks of the reports (gpu-1; need the network)
 
@@ -137,7 +137,7 @@ def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: 
     if (model is None) == (checkpoint is None):
         raise ValueError("OpenPretrainLM needs exactly one of model= or checkpoint=")
     if model is None:
-        model = load_model(model_config(preset), checkpoint)
+        model = load_model(checkpoint, model_config(preset))
     return model.to(device or next(model.parameters()).device).eval()
 
 # %% ../../../nbs/13_evaluation.ipynb #1adeadb4
@@ -186,7 +186,7 @@ class OpenPretrainLM(LM):
         self.tokenizer = tokenizer or load_tokenizer(p.section("tokenizer", TokenizerConfig))
         self.batch_size = parse_batch_size(batch_size)
         self.max_batch_size = max_batch_size or 64  # where `auto` starts its search (lm-eval's hf default)
-        self.max_length = int(max_length or getattr(model.config, "max_seq_len", None) or 2048)
+        self.max_length = int(max_length or context_limit(model.config) or 2048)
         self.prefix_id, self.eod_id = self.tokenizer.bos_id, self.tokenizer.eos_id
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -406,7 +406,7 @@ def checkpoint_folder(path: str | Path) -> Path:
 def _load(p: Preset, checkpoint: Path) -> nn.Module:
     "The model of preset `p` holding `checkpoint`'s weights; ConfigError if they fail verification or are another model's."
     try:
-        return load_model(model_config(p), checkpoint)
+        return load_model(checkpoint, model_config(p))
     except CheckpointError as e:       # a damaged checkpoint, or another preset's model (chapter 10a names which knob)
         raise ConfigError(f"--checkpoint {e}") from None
 

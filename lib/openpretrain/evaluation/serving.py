@@ -9,7 +9,7 @@ tables)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -17,8 +17,7 @@ from torch import Tensor, nn
 
 from ..core import ConfigError
 from ..models.common import cache_bytes_per_token, generate
-from ..models.hybrid import mamba_state_bytes
-from ..models.registry import ModelConfig, build_model, context_limit
+from ..models.registry import ModelConfig, build_model, context_limit, state_bytes, with_context
 
 # %% auto #0
 __all__ = ['ServingConfig', 'cache_footprint', 'cache_bytes_at', 'cache_table', 'decode_tps', 'sweep_bytes', 'free_memory',
@@ -48,7 +47,7 @@ class ServingConfig:
 # %% ../../../nbs/14_serving.ipynb #4bd4e1de
 def cache_footprint(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     "A model config's decoding state per sequence: KV bytes each token adds, and the fixed Mamba state (0 if dense)."
-    state = mamba_state_bytes(config, dtype) if config.arch == "hybrid" else 0
+    state = state_bytes(config, dtype)
     return {"kv_bytes_per_token": cache_bytes_per_token(config, dtype), "state_bytes_per_sequence": state}
 
 def cache_bytes_at(config, context: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -134,7 +133,7 @@ def run_serving(cfg: ServingConfig, models: dict[str, ModelConfig], device: str 
     "The Eq. 1 sweep of every name → model config → a DataFrame (preset, arch, context, t_short_s, t_long_s, decode_tps)."
     import pandas as pd
     dtype = getattr(torch, cfg.dtype)
-    models = {name: _as_swept(config, cfg) for name, config in models.items()}
+    models = {name: with_context(config, max(cfg.contexts) + cfg.o_long) for name, config in models.items()}   # RoPE extends past the trained context
     for config in models.values():  # every model checked before any is built
         check_sweep(config, cfg.contexts, cfg.batch, cfg.o_long, dtype, device)
     frames = []
@@ -145,10 +144,6 @@ def run_serving(cfg: ServingConfig, models: dict[str, ModelConfig], device: str 
         frames.append(pd.DataFrame(rows).assign(preset=name, arch=model.config.arch))
         del model
     return pd.concat(frames, ignore_index=True)
-
-def _as_swept(config: ModelConfig, cfg: ServingConfig) -> ModelConfig:
-    "`config` with its positional limit raised to the longest context + O_long (RoPE extends past the training context)."
-    return config if context_limit(config) is None else replace(config, max_seq_len=max(cfg.contexts) + cfg.o_long)
 
 def tps_ratio(timings) -> dict[str, float]:
     "Per preset: decode TPS at the longest context / at the shortest (Soofi S: 4.30k / 4.29k from 4K to 256K)."

@@ -10,7 +10,6 @@ samplers, search and revision jobs. Reads chapter 11b's published model; writes 
 # %% ../../../nbs/18_test_time.ipynb #bd52abc7
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import operator
@@ -620,12 +619,8 @@ def verifier_conversation(problem: Problem, text: str, process: bool) -> dict | 
 # %% ../../../nbs/18_test_time.ipynb #23e0526b
 def task_preset(base: Preset, run: TaskRun, seq_len: int, model: dict | None = None, seed: int | None = None) -> Preset:
     "`base` with an SFT section of `run` and `seq_len` (and the larger model's shape), for `finetune`."
-    raw = copy.deepcopy(base.raw)
-    raw["sft"] = {**(raw.get("sft") or {}), "lr": run.lr, "batch_size": run.batch_size, "epochs": run.epochs,
-                  "seq_len": seq_len, "pack": True}
-    raw["model"].update(model or {})
-    raw["seed"] = base.raw.get("seed", 0) if seed is None else seed
-    return Preset(name=base.name, path=base.path, raw=raw, lines=base.lines)
+    return base.derive("task_preset", seed=base.seed if seed is None else seed, model=model or {},
+                       sft={"lr": run.lr, "batch_size": run.batch_size, "epochs": run.epochs, "seq_len": seq_len, "pack": True})
 
 def fit(base: Preset, run: TaskRun, seq_len: int, start: str | os.PathLike | None, out: str | os.PathLike,
         conversations: list[dict], model: dict | None = None) -> Path:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['log', 'LLAMA3_KEYS', 'HF_FIELDS', 'HF_FIXED', 'DenseConfig', 'check_dense_config', 'xielu_reference', 'xielu_eager',
            'xielu', 'XIELU', 'MLP', 'Block', 'DenseLM', 'build', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
-           'train_flops_per_token', 'context_limit', 'aux_loss', 'after_step']
+           'train_flops_per_token', 'context_limit', 'with_context', 'state_bytes', 'aux_loss', 'after_step']
 
 # %% ../../../nbs/06_dense.ipynb #df0fc1ab
 @dataclass(kw_only=True)
@@ -358,6 +359,14 @@ def train_flops_per_token(config: DenseConfig, seq_len: int) -> float:
 def context_limit(config: DenseConfig) -> int:
     "The longest sequence the model reads: its max_seq_len."
     return config.max_seq_len
+
+def with_context(config: DenseConfig, length: int) -> DenseConfig:
+    "The same model reading `length` tokens: its max_seq_len set to it (RoPE holds no table to outgrow)."
+    return dataclasses.replace(config, max_seq_len=length)
+
+def state_bytes(config: DenseConfig, dtype: torch.dtype) -> int:
+    "No recurrent state: a dense model decodes from its KV cache alone."
+    return 0
 
 def aux_loss(model: DenseLM) -> float:
     "No auxiliary loss."

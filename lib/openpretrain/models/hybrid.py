@@ -26,7 +26,8 @@ SOOFI_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # Soofi 
 # %% auto #0
 __all__ = ['SOOFI_PATTERN', 'HF_FIELDS', 'HF_FIXED', 'HybridConfig', 'check_hybrid_config', 'HybridBlock', 'HybridLM',
            'HybridCache', 'build', 'init_weights', 'hf_config', 'config_from_hf', 'to_hf', 'from_hf',
-           'train_flops_per_token', 'context_limit', 'aux_loss', 'after_step', 'mamba_state_bytes', 'params_by_kind']
+           'train_flops_per_token', 'context_limit', 'with_context', 'state_bytes', 'aux_loss', 'after_step',
+           'mamba_state_bytes', 'params_by_kind']
 
 # %% ../../../nbs/07_hybrid.ipynb #08db2060
 @dataclass(kw_only=True)
@@ -281,6 +282,14 @@ def train_flops_per_token(config: HybridConfig, seq_len: int) -> float:
 def context_limit(config: HybridConfig) -> None:
     "No positional embedding: no limit on the sequence length."
     return None
+
+def with_context(config: HybridConfig, length: int) -> HybridConfig:
+    "No positional limit: the same config reads any length."
+    return config
+
+def state_bytes(config: HybridConfig, dtype: torch.dtype) -> int:
+    "The fixed decoding state of one sequence: every Mamba layer's convolution and SSM state (mamba_state_bytes)."
+    return mamba_state_bytes(config, dtype)
 
 def aux_loss(model: HybridLM) -> Tensor | float:
     "Sum of the MoE layers' sequence balance losses from the last training forward (0 when off)."

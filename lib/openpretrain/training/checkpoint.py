@@ -26,15 +26,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ..core import sha256_file, to_dict
-from ..models.registry import build_model, to_hf
+from ..core import ConfigError, from_dict, sha256_file, to_dict
+from ..models.registry import build_model, config_class, to_hf
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal',
            'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'publish_checkpoint',
            'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded',
            'save_checkpoint', 'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint',
-           'load_model', 'consolidated_weights', 'load_weights', 'export_hf']
+           'recorded_config', 'load_model', 'consolidated_weights', 'load_weights', 'export_hf', 'save_weights']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -390,15 +390,31 @@ def agreed_checkpoint(root: Path, expected: dict | None = None, model: nn.Module
     return found[0]
 
 # %% ../../../nbs/10a_checkpoint.ipynb #6c9f1a0c
-def load_model(config, checkpoint: str | os.PathLike) -> nn.Module:
-    "The model of `config` (a registry model config; fp32, CPU) holding a verified checkpoint's weights, full or sharded."
+def recorded_config(checkpoint: str | os.PathLike):
+    "The registry model config a verified checkpoint records, checked as a preset's `model:` section is."
+    path = Path(checkpoint)
+    return _recorded_config(path, verify_checkpoint(path))
+
+def _recorded_config(path: Path, state: dict):
+    recorded = state["fingerprint"].get("model") if isinstance(state.get("fingerprint"), dict) else None
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{path}: its state.json records no model config; load it with its preset's model")
+    try:
+        return from_dict(config_class(recorded.get("arch", "dense")), recorded, f"{path}: model")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+def load_model(checkpoint: str | os.PathLike, config=None) -> nn.Module:
+    "The model a verified checkpoint holds (fp32, CPU; full or sharded), of the config it records; a given `config` must equal it."
     path = Path(checkpoint)
     state = verify_checkpoint(path)
-    if difference := _first_difference({"model": state["fingerprint"].get("model")},
-                                       json.loads(json.dumps({"model": to_dict(config)}))):
+    if config is None:
+        config = _recorded_config(path, state)
+    elif difference := _first_difference({"model": state["fingerprint"].get("model")},
+                                         json.loads(json.dumps({"model": to_dict(config)}))):
         raise CheckpointError(f"{path} holds another model: its {difference}; load it with the preset it was trained with")
+    check_tensors(path, state["format"], build_model(config, device="meta"))   # shapes first: nothing allocated for a misfit
     model = build_model(config, device="cpu")
-    check_tensors(path, state["format"], model)
     model.load_state_dict(consolidated_weights(model, path, state["format"]), strict=True)
     return model
 
@@ -419,7 +435,12 @@ def load_weights(model: nn.Module, config, checkpoint: str | os.PathLike) -> Pat
     set_model_state_dict(model, consolidated_weights(plain, path, fmt), options=StateDictOptions(full_state_dict=True))
     return path
 
-def export_hf(config, checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    "Save a checkpoint of the model of `config` as a transformers model folder (`from_pretrained` loads it)."
-    to_hf(load_model(config, checkpoint)).save_pretrained(out_dir)
+def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    "Save a checkpoint's model (the config it records) as a transformers model folder (`from_pretrained` loads it)."
+    to_hf(load_model(checkpoint)).save_pretrained(out_dir)
     return Path(out_dir)
+
+def save_weights(root: Path, step: int, weights: dict[str, Tensor], config, **extra) -> Path:
+    "A verified checkpoint of weights alone (no optimizer or loader state) of the model of `config`; `extra` kept in its state."
+    meta = {"step": step, "format": "full", "fingerprint": {"model": to_dict(config)}, **extra}
+    return write_checkpoint(Path(root), step, {"model.safetensors": weights, "state.json": meta})

@@ -10,7 +10,6 @@ for chapters 13 and 16."""
 # %% ../../../nbs/11b_long_context.ipynb #cf578197
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Iterator
@@ -23,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import ConfigError, Preset
-from ..models.registry import context_limit
+from ..core import ConfigError, Preset, to_dict
+from ..models.registry import context_limit, model_config, with_context
 from ..tokenization import load_tokenizer
 from .checkpoint import latest_valid_checkpoint, verify_checkpoint
 from .curriculum import UNITS, Curriculum, StageSpec, counted_tokens, load_curriculum
 from .data import Batch, accounting_table
-from .plan import Plan, fingerprint, plan, served_batches, token_loader
+from .optim import warmup_then, wsd_steps
+from .plan import Plan, TrainConfig, fingerprint, micro_batch_for, plan, served_batches, token_loader
 from .trainer import train
 
 # %% auto #0
@@ -58,23 +58,17 @@ def long_stages(p: Preset) -> tuple[Curriculum, list[StageSpec]]:
 def stage_preset(p: Preset, c: Curriculum, st: StageSpec, batch_tokens: int, theta: float | None) -> Preset:
     "The preset of one long-context stage: the main run's at the stage's length, θ, learning rate and batch."
     named = p.section("long_context", LongContextConfig).curriculum   # as the preset names it: a name or a path
-    raw = copy.deepcopy(p.raw)
     tokens, warmup = counted_tokens(c, st), round(st.warmup * UNITS[c.unit])
     if batch_tokens % st.seq_len:
         raise ConfigError(f"{c.name}.{st.name}: a batch of {batch_tokens:,} tokens is no whole number of {st.seq_len:,}-token rows")
-    rows = batch_tokens // st.seq_len
-    raw["data"].update(curriculum=named, seq_len=st.seq_len)
-    if "max_seq_len" in raw["model"]:                         # a model with positions: its context grows
-        raw["model"]["max_seq_len"] = max(st.seq_len, raw["model"]["max_seq_len"])
-    if theta is not None:
-        raw["model"]["rope_theta"] = theta
-    raw["optim"].update(lr=st.lr, batch_size=rows, batch_increase_at=[], batch_increase_to=[],
-                        t_alpha=math.ceil(tokens / batch_tokens), t_beta3=math.ceil(tokens / batch_tokens))
-    raw["optim"]["schedule"] = {"kind": "stages", "unit": "tokens", "warmup_start": 0.0, "stages": [
-        {"name": "warm-up", "length": warmup, "to": 1.0, "shape": "linear"},
-        {"name": "constant", "length": tokens - warmup, "to": 1.0, "shape": "constant"}]}
-    raw["train"].update(micro_batch=math.gcd(raw["train"].get("micro_batch", 1), rows), milestones=[])
-    return Preset(name=p.name, path=p.path, raw=raw, lines=p.lines)
+    rows, steps, model = batch_tokens // st.seq_len, math.ceil(tokens / batch_tokens), model_config(p)
+    if (limit := context_limit(model)) is not None:           # a model with positions: its context grows
+        model = with_context(model, max(st.seq_len, limit))
+    return p.derive("stage_preset", data={"curriculum": named, "seq_len": st.seq_len},
+                    model={**to_dict(model), **({} if theta is None else {"rope_theta": theta})},
+                    optim={"lr": st.lr, "batch_size": rows, "batch_increase_at": [], "batch_increase_to": [],
+                           "t_alpha": steps, "t_beta3": steps, "schedule": warmup_then(c.unit, warmup, tokens, "constant")},
+                    train={"micro_batch": micro_batch_for(p.section("train", TrainConfig), rows), "milestones": []})
 
 # %% ../../../nbs/11b_long_context.ipynb #0a7a3258
 def stage_plans(p: Preset, keep_theta: bool = False) -> list[tuple[StageSpec, Plan]]:
@@ -150,18 +144,13 @@ SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=336)   
 def small_base(p: Preset, tokenizer: str, curriculum: str, steps: int, seed: int, name: str | None = None) -> Preset:
     "Preset `p` as chapter 11a's small base: its dense width, `tokenizer`, `curriculum` and WSD 1-sqrt over `steps` steps."
     vocab = load_tokenizer(tokenizer).vocab_size
-    raw = copy.deepcopy(p.raw)
-    raw["seed"], raw["device"] = seed, "cpu"
-    raw["tokenizer"].update(name=tokenizer, vocab_size=vocab)
-    raw["model"]["vocab_size"] = vocab
-    if raw["model"]["arch"] == "dense":
-        raw["model"].update(SMALL)
-    raw["data"]["curriculum"] = curriculum
-    raw["optim"].update(t_alpha=steps, t_beta3=steps, batch_increase_at=[], batch_increase_to=[])
-    raw["optim"]["schedule"] = dict(kind="wsd", unit="steps", warmup=steps // 8, warmup_start=0.1,
-                                    total=steps, decay=steps // 5, decay_shape="1-sqrt", end=0.1)
-    raw["train"].update(checkpoint_every=steps, keep_last=1, milestones=[], tensorboard=False, compile=False)
-    return Preset(name=name or p.name, path=p.path, raw=raw)   # `name`: the preset whose compliance output runs read
+    return p.derive("small_base", name=name, seed=seed, device="cpu",   # `name`: the preset whose compliance output runs read
+                    tokenizer={"name": tokenizer, "vocab_size": vocab},
+                    model={"vocab_size": vocab, **(SMALL if model_config(p).arch == "dense" else {})},
+                    data={"curriculum": curriculum},
+                    optim={"t_alpha": steps, "t_beta3": steps, "batch_increase_at": [], "batch_increase_to": [],
+                           "schedule": wsd_steps(steps)},
+                    train={"checkpoint_every": steps, "keep_last": 1, "milestones": [], "tensorboard": False, "compile": False})
 
 # %% ../../../nbs/11b_long_context.ipynb #7b43fb76
 def pretrain_and_extend(p: Preset, out: str | os.PathLike, arms: dict[str, bool]) -> dict[str, Path]:

@@ -21,7 +21,7 @@ from ..core import ConfigError, bounded
 # %% auto #0
 __all__ = ['HALF_LIFE_EPS', 'SHAPES', 'OPTIMIZERS', 'half_life', 'beta_from_half_life', 'alpha_at', 'beta3_at', 'AdEMAMix',
            'decays', 'param_groups', 'clip_grad', 'StageConfig', 'segment_lr', 'ScheduleConfig', 'schedule_segments',
-           'OptimConfig', 'Schedule', 'build_optimizer']
+           'wsd_steps', 'warmup_then', 'OptimConfig', 'Schedule', 'build_optimizer']
 
 # %% ../../../nbs/10_optim.ipynb #5e703dad
 HALF_LIFE_EPS = 1e-8  # inside the logarithm of f, as the reference scheduler (β = 0 allowed)
@@ -148,6 +148,21 @@ def schedule_segments(c: ScheduleConfig) -> list[StageConfig]:
     return [StageConfig(name="warm-up", length=c.warmup, to=1.0, shape="linear"),
             StageConfig(name="stable", length=stable, to=1.0, shape="constant"),
             StageConfig(name="decay", length=c.decay, to=c.end, shape=c.decay_shape)]
+
+# %% ../../../nbs/10_optim.ipynb #cc43a94d
+def wsd_steps(steps: int, decay_shape: str = "1-sqrt", decay: int | None = None) -> ScheduleConfig:
+    "WSD over `steps` steps: warm-up over the first eighth from 10 %, `decay_shape` over the last fifth (or `decay`) to 10 %."
+    return ScheduleConfig(kind="wsd", unit="steps", warmup=steps // 8, warmup_start=0.1, total=steps,
+                          decay=steps // 5 if decay is None else decay, decay_shape=decay_shape, end=0.1)
+
+def warmup_then(unit: str, warmup: float, total: float, then: str) -> ScheduleConfig:
+    "A linear warm-up from 0 over `warmup`, then to `total` a linear decay to 0 (`then` = decay) or the peak (constant)."
+    if then not in ("decay", "constant"):
+        raise ValueError(f"warmup_then: then is decay | constant, got {then!r}")
+    rest = StageConfig(name=then, length=total - warmup, to=0.0 if then == "decay" else 1.0,
+                       shape="linear" if then == "decay" else "constant")
+    return ScheduleConfig(kind="stages", unit=unit, warmup_start=0.0,
+                          stages=[StageConfig(name="warm-up", length=warmup, to=1.0, shape="linear"), rest])
 
 # %% ../../../nbs/10_optim.ipynb #185191f9
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ on first use)."""
 # %% ../../../nbs/10b_plan.ipynb #ca5c3dcd
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,8 +23,8 @@ from .goldfish import GoldfishConfig
 from .optim import OptimConfig, Schedule
 
 # %% auto #0
-__all__ = ['TrainConfig', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections', 'check_data_budget', 'fingerprint',
-           'token_loader', 'served_batches']
+__all__ = ['TrainConfig', 'micro_batch_for', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections',
+           'check_data_budget', 'fingerprint', 'token_loader', 'served_batches']
 
 # %% ../../../nbs/10b_plan.ipynb #107d5713
 @dataclass(kw_only=True)
@@ -47,6 +48,11 @@ class TrainConfig:
         for knob in ("micro_batch", "checkpoint_every", "keep_last"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"train.{knob} must be ≥ 1, got {getattr(self, knob)}")
+
+# %% ../../../nbs/10b_plan.ipynb #8ffff48b
+def micro_batch_for(train: TrainConfig, rows: int) -> int:
+    "The preset's micro-batch cut to divide a global batch of `rows` sequences: their greatest common divisor."
+    return math.gcd(train.micro_batch, rows)
 
 # %% ../../../nbs/10b_plan.ipynb #df963b95
 @dataclass
