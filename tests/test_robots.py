@@ -1,4 +1,5 @@
-"""Retroactive robots.txt filtering (chapter 02) and the compliance ledger (chapter 02a)."""
+"""Retroactive robots.txt filtering (chapter 02), its fetcher (notebook 02a) and the compliance ledger (chapter 01a)."""
+import os
 import re
 import socket
 import threading
@@ -13,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpretrain.compliance.ledger import Ledger, record
-from openpretrain.compliance.robots import (POLICIES, SNAPSHOT_COLUMNS, RobotsConfig, RobotsFilter, RobotsOracle,
-                                            fetch_robots, group_applied_before_07, group_applies, host_key, is_allowed,
-                                            rank_domains, read_snapshot, robots_file, write_snapshot)
+from openpretrain.compliance.robots import (POLICIES, RobotsConfig, RobotsFilter, RobotsOracle, group_applied_before_07,
+                                            group_applies, host_key, is_allowed, rank_domains, read_snapshot, robots_file,
+                                            write_snapshot)
+from openpretrain.compliance.robots_fetch import SNAPSHOT_COLUMNS, fetch_robots
 from openpretrain.core import ConfigError, load_preset
 from openpretrain.corpus import AI_USER_AGENTS, MAX_ROBOTS_BYTES, REPORT_AGENTS, registrable_domain
 
@@ -658,6 +660,41 @@ def test_the_parse_cache_is_bounded_by_the_size_of_the_texts():
     assert robots.parse_robots.__module__ == robots.__name__ and robots._PARSED.max_chars == robots.PARSE_CACHE_CHARS
 
 
+HTTP_CLIENTS = ("httpx", "aiohttp", "requests", "urllib3", "http.client", "urllib.request", "socket")
+
+_POLICY_PROBE = """
+import sys
+import datatrove.pipeline.filters.base_filter, pandas as pd, protego, openpretrain.compliance.ledger, openpretrain.corpus
+before = set(sys.modules)  # what the policy's own dependencies load
+from openpretrain.compliance.robots import RobotsOracle
+oracle = RobotsOracle(pd.DataFrame({"host": ["a.org"], "http_status": [200], "body": [b"User-agent: *\\nDisallow: /\\n"]}))
+assert not oracle.decide("https://a.org/x").kept
+print(sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("httpx", "aiohttp", "requests", "urllib3")
+             or m in ("http.client", "urllib.request", "openpretrain.compliance.robots_fetch")))
+"""
+
+
+def test_the_robots_policy_imports_no_http_client():
+    "The policy decides from a stored snapshot: no HTTP client anywhere in its code, none loaded by importing and using it."
+    import ast
+    import subprocess
+    import sys
+
+    from openpretrain.compliance import robots
+    imported = set()
+    for node in ast.walk(ast.parse(Path(robots.__file__).read_text(encoding="utf-8"))):  # function bodies included
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module)
+    assert not {m for m in imported for c in HTTP_CLIENTS if m == c or m.startswith(f"{c}.")}
+    assert not hasattr(robots, "fetch_robots")  # the fetcher is openpretrain.compliance.robots_fetch (notebook 02a)
+    lib = str(Path(robots.__file__).parents[2])  # this checkout's lib/, whatever the venv's editable install points at
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [lib, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _POLICY_PROBE], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 class _Scripted(BaseHTTPRequestHandler):
     "Answers each request with the next of `script` (status, headers, body); logs request times."
     script: list = []
@@ -735,7 +772,7 @@ def test_a_retry_after_beyond_the_bound_ends_the_attempts_as_a_429(scripted):
 
 @pytest.mark.parametrize("stated, bound, gap", [("1", 30.0, (0.95, 3.0)), ("3600", 0.5, (0.45, 2.0))])
 def test_crawl_delay_spaces_the_next_request_to_that_host_within_a_bound(scripted, stated, bound, gap):
-    from openpretrain.compliance.robots import Politeness
+    from openpretrain.compliance.robots_fetch import Politeness
     host = scripted((200, [], f"User-agent: *\nCrawl-delay: {stated}\nDisallow: /x\n".encode()))
     polite = Politeness(delay=0, max_crawl_delay=bound)
     for _ in range(2):

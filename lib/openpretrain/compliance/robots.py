@@ -3,35 +3,26 @@
 # %% ../../../nbs/02_robots.ipynb #70cba8df
 """Retroactive robots.txt compliance (Apertus §3.1.1, App. B): the matching primitive (Protego 0.7), the policy for
 missing files, per-URL and per-domain decisions, a datatrove filter that records each decision in the compliance
-ledger, the host ranking, and a polite asynchronous fetcher. Reads a robots.txt snapshot (a DataFrame or Parquet, such
-as chapter 01's) and the documents' URLs; writes a snapshot Parquet only when `write_snapshot` is called."""
+ledger, and the host ranking. Reads a robots.txt snapshot (a DataFrame or Parquet, such as chapter 01's or one
+`openpretrain.compliance.robots_fetch` fetched) and the documents' URLs; writes a snapshot Parquet only when
+`write_snapshot` is called. Holds no network code: the fetcher is `openpretrain.compliance.robots_fetch` (02a)."""
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
-import datetime as dt
 import functools
-import ipaddress
-import math
 import re
-import socket
 import threading
-import time
-import weakref
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
 # %% auto #0
-__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'BINARY_SHARE', 'ENGLISH', 'TRANSIENT', 'SNAPSHOT_COLUMNS', 'REDIRECTS',
-           'FETCH_USER_AGENT', 'MAX_RETRY_AFTER', 'MAX_CRAWL_DELAY', 'parse_robots', 'is_allowed', 'group_applies',
+__all__ = ['WILDCARD', 'PARSE_CACHE_CHARS', 'POLICIES', 'BINARY_SHARE', 'ENGLISH', 'parse_robots', 'is_allowed', 'group_applies',
            'group_applied_before_07', 'strict_allowed', 'MissingPolicy', 'RobotsFile', 'robots_file', 'robots_text',
            'RobotsConfig', 'RobotsDecision', 'whatwg_url', 'host_key', 'RobotsOracle', 'RobotsFilter', 'rank_domains',
-           'fetch_robots', 'fetch_robots_async', 'Politeness', 'write_snapshot', 'read_snapshot']
+           'write_snapshot', 'read_snapshot']
 
 # %% ../../../nbs/02_robots.ipynb #156ba021
 import pandas as pd
@@ -459,229 +450,6 @@ def _safe_host_key(url) -> str | None:
         return host_key(url) if isinstance(url, str) else None
     except ValueError:
         return None
-
-# %% ../../../nbs/02_robots.ipynb #979bd666
-TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})  # statuses worth retrying (0 = network error or timeout)
-SNAPSHOT_COLUMNS = ("host", "url", "redirects", "final_url", "http_status", "content_type", "body", "fetched_at",
-                    "fetch_error")  # the embedded snapshot's format (chapter 01)
-REDIRECTS = frozenset({301, 302, 303, 307, 308})
-FETCH_USER_AGENT = "openpretrain-robots/0.1 (+https://github.com/openpretrain)"
-MAX_RETRY_AFTER = 60.0  # seconds: the longest Retry-After waited for; a longer one ends the host's attempts
-
-def fetch_robots(hosts: Iterable[str], **kwargs) -> pd.DataFrame:
-    """Fetch `/robots.txt` of every host — a netloc (fetched with `scheme`) or an origin such as `http://a.org:8080`
-    — into a snapshot frame keyed by netloc; see `fetch_robots_async` for the knobs."""
-    coro = fetch_robots_async(hosts, **kwargs)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called inside a running loop (Jupyter): own thread
-        return pool.submit(asyncio.run, coro).result()
-
-# %% ../../../nbs/02_robots.ipynb #55cefa9a
-async def fetch_robots_async(hosts: Iterable[str], *, scheme: str = "https", concurrency: int = 32,
-                             timeout: float = 10.0, retries: int = 2, backoff: float = 1.0, delay: float = 1.0,
-                             max_redirects: int = 5, max_bytes: int = MAX_ROBOTS_BYTES,
-                             user_agent: str = FETCH_USER_AGENT, max_retry_after: float = MAX_RETRY_AFTER,
-                             public_only: bool = False, allow_networks: Iterable[str] = (),
-                             politeness: Politeness | None = None) -> pd.DataFrame:
-    """The asynchronous fetcher: bounded concurrency, per-host politeness, timeouts, retries (Retry-After honoured up
-    to `max_retry_after`), ≤5 redirects, capped bodies. Redirects to loopback, private, link-local or reserved
-    addresses are refused (SSRF); `public_only` refuses such hosts themselves too; `allow_networks` (CIDR) exempts
-    networks from both, e.g. a test server on 127.0.0.1. A host that cannot be fetched is a row saying why.
-    `politeness`: a `Politeness` kept across calls (its own delay replaces `delay`), so that a fetched file's
-    Crawl-delay spaces the next requests to that host."""
-    import httpx
-    if scheme not in ("http", "https"):
-        raise ValueError(f"only http and https are fetched, got scheme={scheme!r}")
-    gate, polite = asyncio.Semaphore(concurrency), politeness or Politeness(delay)
-    fetch = _Fetcher(timeout, retries, backoff, max_redirects, max_bytes, polite, max_retry_after,
-                     _AddressGuard([ipaddress.ip_network(n) for n in allow_networks]), public_only, user_agent)
-    async with httpx.AsyncClient(headers={"User-Agent": user_agent}, follow_redirects=False, trust_env=False,
-                                 timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def one(raw) -> dict:
-            async with gate:
-                return await fetch.origin(client, raw, scheme)
-        rows = await asyncio.gather(*(one(h) for h in _unique(hosts)))
-    snapshot = pd.DataFrame(rows, columns=SNAPSHOT_COLUMNS)
-    snapshot["http_status"] = snapshot["http_status"].astype("Int64")
-    return snapshot
-
-# %% ../../../nbs/02_robots.ipynb #2a88b79a
-def _unique(hosts) -> list:
-    "Hosts in order, duplicates dropped; anything unhashable or odd kept, to become a row that says what is wrong."
-    seen, out = set(), []
-    for h in hosts:
-        if (key := h if isinstance(h, str) else repr(h)) not in seen:
-            seen.add(key)
-            out.append(h)
-    return out
-
-def _robots_url(raw, scheme: str) -> tuple[str, str]:
-    "(netloc, robots.txt URL) of a host or origin; TypeError/ValueError/UnicodeError naming what is wrong with it."
-    if not isinstance(raw, str):
-        raise TypeError(f"a host is a string, got {type(raw).__name__}")
-    parts = urlsplit(raw if "://" in raw else f"{scheme}://{raw}")  # ValueError on a broken IPv6 literal
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"only http and https are fetched, got {parts.scheme!r}")
-    if not parts.hostname or parts.port == 0:  # .port raises ValueError when out of range
-        raise ValueError("no host or port")
-    parts.netloc.encode("utf-8")  # a lone surrogate cannot go on the wire
-    return parts.netloc, f"{parts.scheme}://{parts.netloc}/robots.txt"
-
-# %% ../../../nbs/02_robots.ipynb #349f02b8
-class _AddressGuard:
-    "Refuses URLs whose host resolves to a non-public address (loopback, private, link-local, reserved, multicast)."
-    def __init__(self, allow: list):
-        self.allow = allow
-
-    async def refusal(self, url: str) -> str:
-        "'' when every address of `url`'s host is public (or in an allowed network), else why it is refused."
-        parts = urlsplit(url)
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port or 443,
-                                                                 type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return ""  # not resolvable: the request fails by itself and says so
-        for *_, addr in infos:
-            ip = ipaddress.ip_address(addr[0].split("%")[0])
-            ip = getattr(ip, "ipv4_mapped", None) or ip
-            if not ip.is_global and not any(ip in net for net in self.allow):
-                return f"{parts.hostname} resolves to non-public address {ip}"
-        return ""
-
-# %% ../../../nbs/02_robots.ipynb #e9a2575d
-MAX_CRAWL_DELAY = 30.0  # seconds: the longest Crawl-delay honoured (RFC 9309 leaves it undefined; Google ignores it)
-
-class Politeness:
-    """One request at a time per host, `delay` seconds apart — or the host's Crawl-delay for our agent, once a fetched
-    robots.txt states one (at most `max_crawl_delay`). Keep one across fetches to stay polite between them."""
-    def __init__(self, delay: float = 1.0, max_crawl_delay: float = MAX_CRAWL_DELAY):
-        self.delay, self.max_crawl_delay = delay, max_crawl_delay
-        self.last, self.crawl_delay = {}, {}  # host → time.monotonic() of its last request / its Crawl-delay
-        self._locks = weakref.WeakKeyDictionary()  # event loop → host → lock (asyncio locks belong to one loop)
-
-    def honour(self, host: str, robots_txt: str, user_agent: str) -> None:
-        "Space the next requests to `host` by the Crawl-delay its robots.txt gives `user_agent` (bounded)."
-        with contextlib.suppress(ValueError, TypeError):
-            if (d := parse_robots(robots_txt).crawl_delay(user_agent)) is not None and float(d) >= 0:
-                self.crawl_delay[host] = min(float(d), self.max_crawl_delay)
-
-    @contextlib.asynccontextmanager
-    async def slot(self, host: str):
-        locks = self._locks.setdefault(asyncio.get_running_loop(), defaultdict(asyncio.Lock))
-        async with locks[host]:
-            gap = max(self.delay, self.crawl_delay.get(host, 0.0))
-            if (wait := self.last.get(host, -math.inf) + gap - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-            try:
-                yield
-            finally:
-                self.last[host] = time.monotonic()
-
-# %% ../../../nbs/02_robots.ipynb #4c034823
-@dataclass
-class _Fetcher:
-    timeout: float
-    retries: int
-    backoff: float
-    max_redirects: int
-    max_bytes: int
-    polite: Politeness
-    max_retry_after: float
-    guard: _AddressGuard
-    public_only: bool
-    user_agent: str
-
-    async def origin(self, client, raw, scheme: str) -> dict:
-        "The row of one host or origin; a host that cannot be fetched at all is a row with the reason."
-        try:
-            host, url = _robots_url(raw, scheme)
-        except (TypeError, ValueError, UnicodeError) as e:
-            shown = (raw if isinstance(raw, str) else repr(raw)).encode("utf-8", "backslashreplace").decode()
-            return _row(shown, "", [], "", 0, "", b"", f"invalid host: {e}".encode("utf-8", "backslashreplace").decode())
-        try:
-            return await self.host(client, host, url)
-        except Exception as e:  # noqa: BLE001 — one host's unforeseen failure must not lose the other rows
-            return _row(host, url, [], url, 0, "", b"", f"{type(e).__name__}: {e}"[:200])
-
-# %% ../../../nbs/02_robots.ipynb #b107c079
-@patch
-async def host(self: _Fetcher, client, host: str, url: str) -> dict:
-    "Follow ≤ max_redirects redirects from `url`, never to a non-public address; the snapshot row of `host`."
-    start, chain = url, []
-    if self.public_only and (why := await self.guard.refusal(url)):
-        return _row(host, start, chain, url, 0, "", b"", f"refused: {why}")
-    while True:
-        status, location, content_type, body, error = await self.attempts(client, url)
-        if status not in REDIRECTS:
-            break
-        target = urljoin(url, location or "")
-        if not location or urlsplit(target).scheme not in ("http", "https"):
-            error = f"redirect to unusable location {location!r}"
-            break
-        if len(chain) == self.max_redirects:
-            error = f"too many redirects (more than {self.max_redirects})"
-            break
-        if why := await self.guard.refusal(target):
-            error = f"redirect refused: {why}"
-            break
-        url = target
-        chain.append(url)
-    if 200 <= status < 300 and (text := robots_text(body, self.max_bytes)[0]) is not None:
-        for netloc in {host, urlsplit(url).netloc}:
-            self.polite.honour(netloc, text, self.user_agent)
-    return _row(host, start, chain, url, status, content_type, body if 200 <= status < 300 else b"", error)
-
-# %% ../../../nbs/02_robots.ipynb #aee7a3f0
-def _row(host, url, chain, final, status, content_type, body, error) -> dict:
-    return {"host": host, "url": url, "redirects": chain, "final_url": final, "http_status": status or None,
-            "content_type": content_type, "body": body, "fetched_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "fetch_error": error}
-
-@patch
-async def attempts(self: _Fetcher, client, url: str):
-    "One GET with retries on transient failures: (status, location, content type, body, error)."
-    import httpx
-    for attempt in range(self.retries + 1):
-        wait = None
-        async with self.polite.slot(urlsplit(url).netloc):
-            try:
-                status, location, ctype, body, wait = await asyncio.wait_for(self.get(client, url), self.timeout)
-                result = (status, location, ctype, body, "")
-            except (TimeoutError, OSError, httpx.HTTPError, httpx.InvalidURL) as e:  # timeouts, resets, protocol
-                result = (0, None, "", b"", f"{type(e).__name__}: {e}"[:200])
-        if result[0] not in TRANSIENT or attempt == self.retries:
-            return result
-        if wait is not None and wait > self.max_retry_after:
-            return (*result[:4], f"Retry-After {wait:g} s exceeds {self.max_retry_after:g} s")
-        await asyncio.sleep(max(self.backoff * 2 ** attempt, wait or 0))
-    return result
-
-# %% ../../../nbs/02_robots.ipynb #65245ee2
-@patch
-async def get(self: _Fetcher, client, url: str) -> tuple[int, str | None, str, bytes, float | None]:
-    "Stream one response, keeping at most max_bytes of its (decoded) body; its Retry-After in seconds."
-    async with client.stream("GET", url) as r:
-        body = bytearray()
-        if 200 <= r.status_code < 300:
-            async for chunk in r.aiter_bytes():
-                body += chunk
-                if len(body) > self.max_bytes:
-                    break  # the rest is never read
-        return (r.status_code, r.headers.get("location"), r.headers.get("content-type", ""),
-                bytes(body[: self.max_bytes]), _retry_after(r.headers.get("retry-after")))
-
-def _retry_after(value: str | None) -> float | None:
-    "Seconds of a Retry-After header (delta-seconds or an HTTP date); None when absent or unreadable."
-    if not value:
-        return None
-    with contextlib.suppress(ValueError, TypeError, OverflowError):
-        return max(0.0, float(int(value.strip())))
-    with contextlib.suppress(ValueError, TypeError, OverflowError):
-        return max(0.0, (parsedate_to_datetime(value) - dt.datetime.now(dt.UTC)).total_seconds())
-    return None
 
 # %% ../../../nbs/02_robots.ipynb #7167f6a9
 def write_snapshot(snapshot: pd.DataFrame, path: str | Path) -> Path:
