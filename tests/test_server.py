@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import anyio
 import httpx
 import pytest
 import torch
@@ -22,7 +23,7 @@ from openpretrain.models.common import generate
 from openpretrain.chat import END, chat_ids, render
 from openpretrain.engine import ChatModel
 from openpretrain.posttrain.client import ChatClient, ChatError
-from openpretrain.posttrain.server import ServeConfig, app, serving
+from openpretrain.posttrain.server import Admission, BadRequest, ServeConfig, app, serving
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
 
@@ -196,6 +197,21 @@ def test_a_request_beyond_the_slot_and_queue_is_503_and_the_server_stays_up(serv
         assert "busy" in error["message"] and first.result(30).status_code == 200
         assert chat(base_url, temperature=0, max_tokens=4).status_code == 200   # the slot is free again
         assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_a_request_cancelled_in_the_queue_gives_its_place_back():
+    async def scenario() -> int:
+        admission = Admission(1, 1)
+        admission.admit()
+        await admission.acquire()                                 # the first request decodes
+        admission.admit()                                         # the second waits in the queue ...
+        with anyio.move_on_after(0.05):
+            await admission.acquire()                             # ... and is cancelled there
+        admission.admit()                                         # so a third finds its place
+        with pytest.raises(BadRequest, match="busy"):
+            admission.admit()                                     # and a fourth none
+        return admission.admitted
+    assert anyio.run(scenario) == 2
 
 
 # ---- the client, against a fake server ---------------------------------------------------------------------------

@@ -24,16 +24,17 @@ import torch
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat import END, chat_ids, check_messages, render
+from ..chat import chat_ids, check_messages
 from ..core import ConfigError, bounded, from_dict
 from ..engine import ChatModel, room, stream
 from ..training.checkpoint import CheckpointError
 
 # %% auto #0
-__all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', 'app', 'serving', 'main']
+__all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', 'Admission', 'complete', 'models', 'health',
+           'not_found', 'app', 'serving', 'main']
 
 # %% ../../../nbs/17a_server.ipynb #08199514
 class BadRequest(Exception):
@@ -172,82 +173,112 @@ async def _body(request: Request, limit: int) -> dict:
         raise BadRequest(400, "the body must be a JSON object")
     return body
 
+# %% ../../../nbs/17a_server.ipynb #87d85bd7
+class Admission:
+    "The decoding slots and the bounded queue in front of them."
+    def __init__(self, slots: int, queue: int):
+        self.slots, self.places, self.admitted = anyio.Semaphore(slots), slots + queue, 0   # admitted: decoding or queued
+
+    def admit(self) -> None:
+        "Take a place (a slot or the queue), or BadRequest 503 when every one is taken."
+        if self.admitted >= self.places:
+            raise BadRequest(503, "the server is busy: every slot and queue place is taken; retry later", code="busy")
+        self.admitted += 1
+
+    async def acquire(self) -> None:
+        "Wait for a slot; a request cancelled while it waits gives its place back."
+        try:
+            await self.slots.acquire()
+        except BaseException:
+            self.admitted -= 1
+            raise
+
+    def release(self) -> None:
+        "Give back the slot and the place of a finished reply."
+        self.slots.release()
+        self.admitted -= 1
+
+# %% ../../../nbs/17a_server.ipynb #6f85cf33
+def _prompt(served: ChatModel, body: dict, chat: bool) -> tuple[list[int], int | None]:
+    "The request's prompt ids and the id its reply ends at; BadRequest for another model, bad turns or a full context."
+    if body.get("model") != served.name:
+        raise BadRequest(404, f"model {body.get('model')!r} is not served here; this server serves {served.name!r}",
+                         "model", "model_not_found")
+    if chat:
+        try:
+            check_messages(body.get("messages"))
+        except ValueError as e:
+            raise BadRequest(400, str(e), "messages") from None
+        ids, end = served.ask(body["messages"]), served.end
+    else:
+        if not isinstance(body.get("prompt"), str):
+            raise BadRequest(400, "'prompt' must be a string", "prompt")
+        ids, end = [served.tokenizer.bos_id, *served.tokenizer.encode(body["prompt"])], served.tokenizer.eos_id
+    if served.context is not None and len(ids) >= served.context:
+        raise BadRequest(400, f"the prompt has {len(ids)} ids; this model's context is {served.context}",
+                         "messages" if chat else "prompt", "context_length_exceeded")
+    return ids, end
+
+def _answer(head: dict, prompt: int, done: list, s: Sampling, chat: bool) -> JSONResponse:
+    "The whole reply as one OpenAI answer, from its steps (the last holds the finish reason and the reply's length)."
+    text, entries, (finish, n) = "".join(d[0] for d in done), [d[1] for d in done if d[1]], done[-1][2:]
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+               "logprobs": {"content": entries} if s.logprobs else None, "finish_reason": finish} if chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                         "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}})
+
+async def _released(steps, admission: Admission):
+    "The reply's steps; its slot and place are given back when they end, fail or are abandoned."
+    try:
+        async for step in steps:
+            yield step
+    finally:
+        admission.release()
+
+async def complete(request: Request, chat: bool) -> Response:
+    "POST /v1/chat/completions (`chat`) or /v1/completions: every check, a place, a slot, then the reply."
+    served, c, admission = request.app.state.served, request.app.state.config, request.app.state.admission
+    try:
+        body = await _body(request, c.max_body_bytes)
+        s = sampling(body, c.max_tokens, chat)
+        ids, end = _prompt(served, body, chat)
+        admission.admit()
+    except BadRequest as e:
+        return e.response()
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+            "model": served.name}
+    await admission.acquire()
+    steps = _released(iterate_in_threadpool(reply_steps(served, ids, s, end)), admission)
+    if s.stream:
+        return StreamingResponse(_events(steps, head, chat), media_type="text/event-stream")
+    return _answer(head, len(ids), [step async for step in steps], s, chat)
+
+async def models(request: Request) -> JSONResponse:
+    "GET /v1/models: the one model served, with its context."
+    served = request.app.state.served
+    return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                                      "owned_by": "openpretrain", "max_model_len": served.context}]})
+
+async def health(request: Request) -> JSONResponse:
+    "GET /health: the server is up."
+    return JSONResponse({"status": "ok"})
+
+async def not_found(request: Request, exc) -> JSONResponse:
+    "An unknown route (404) or method (405), as an OpenAI error body."
+    return BadRequest(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
 # %% ../../../nbs/17a_server.ipynb #627ce862
 def app(served: ChatModel, c: ServeConfig | None = None) -> Starlette:
     "The OpenAI-compatible ASGI app over a loaded model."
     c = c or ServeConfig()
-    slots, waiting = anyio.Semaphore(c.max_concurrency), [0]
-    markers = chat_ids(served.tokenizer)
-
-    def prompt_of(body: dict, chat: bool) -> tuple[list[int], int | None]:
-        if body.get("model") != served.name:
-            raise BadRequest(404, f"model {body.get('model')!r} is not served here; this server serves {served.name!r}",
-                             "model", "model_not_found")
-        if chat:
-            try:
-                check_messages(body.get("messages"))
-            except ValueError as e:
-                raise BadRequest(400, str(e), "messages") from None
-            ids, end = render(served.tokenizer, body["messages"], add_generation_prompt=True)[0], markers[END]
-        else:
-            if not isinstance(body.get("prompt"), str):
-                raise BadRequest(400, "'prompt' must be a string", "prompt")
-            ids, end = [served.tokenizer.bos_id, *served.tokenizer.encode(body["prompt"])], served.tokenizer.eos_id
-        if served.context is not None and len(ids) >= served.context:
-            raise BadRequest(400, f"the prompt has {len(ids)} ids; this model's context is {served.context}",
-                             "messages" if chat else "prompt", "context_length_exceeded")
-        return ids, end
-
-    async def complete(request: Request, chat: bool):
-        try:
-            body = await _body(request, c.max_body_bytes)
-            s = sampling(body, c.max_tokens, chat)
-            ids, end = prompt_of(body, chat)
-            if waiting[0] >= c.max_queue + c.max_concurrency:
-                raise BadRequest(503, "the server is busy: every slot and queue place is taken; retry later", code="busy")
-        except BadRequest as e:
-            return e.response()
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": served.name}
-        waiting[0] += 1
-        try:
-            await slots.acquire()
-        except BaseException:                                         # cancelled while queued: its place is free again
-            waiting[0] -= 1
-            raise
-        steps = iterate_in_threadpool(reply_steps(served, ids, s, end))
-
-        async def released():
-            try:
-                async for step in steps:
-                    yield step
-            finally:
-                slots.release()
-                waiting[0] -= 1
-        if s.stream:
-            return StreamingResponse(_events(released(), head, chat), media_type="text/event-stream")
-        done = [step async for step in released()]                   # the last step holds the finish reason and count
-        text, entries, (finish, n) = "".join(d[0] for d in done), [d[1] for d in done if d[1]], done[-1][2:]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": {"content": entries} if s.logprobs else None, "finish_reason": finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                             "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}})
-
-    async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                                          "owned_by": "openpretrain", "max_model_len": served.context}]})
-
-    async def health(request: Request):
-        return JSONResponse({"status": "ok"})
-
-    async def not_found(request: Request, exc):
-        return BadRequest(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
-
-    return Starlette(routes=[Route("/v1/chat/completions", partial(complete, chat=True), methods=["POST"]),
-                             Route("/v1/completions", partial(complete, chat=False), methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health)],
-                     exception_handlers={404: not_found, 405: not_found})
+    chat_ids(served.tokenizer)                                        # ConfigError without the chat markers
+    web = Starlette(routes=[Route("/v1/chat/completions", partial(complete, chat=True), methods=["POST"]),
+                            Route("/v1/completions", partial(complete, chat=False), methods=["POST"]),
+                            Route("/v1/models", models), Route("/health", health)],
+                    exception_handlers={404: not_found, 405: not_found})
+    web.state.served, web.state.config, web.state.admission = served, c, Admission(c.max_concurrency, c.max_queue)
+    return web
 
 # %% ../../../nbs/17a_server.ipynb #0831c3f6
 @contextmanager
