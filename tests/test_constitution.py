@@ -21,7 +21,8 @@ from openpretrain.posttrain.constitution import (
     pairwise_agreement, parse_sensitivity, rank_agreement, two_track, weighted_score)
 from openpretrain.posttrain.preference import PairConfig
 from openpretrain.engine import ChatModel
-from openpretrain.posttrain.server import ChatClient, ChatError, Reply, ServeConfig, app, serving
+from openpretrain.posttrain.client import ChatClient, ChatError, Reply
+from openpretrain.posttrain.server import ServeConfig, app, serving
 
 TITLES = ["Response Quality", "Knowledge and Reasoning Standards", "Respectful Communication", "Preventing Harm",
           "Resolving Value Conflicts", "Professional Competence Boundaries", "Collective Decision-Making",

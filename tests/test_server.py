@@ -1,13 +1,17 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
 log-probabilities, every malformed request a 4xx, 413, the server up after each), the client's retries, timeout,
-cache and one-line errors against a fake server, and lm-eval's `local-chat-completions` model against ours."""
+cache and one-line errors against a fake server, that the client loads no server framework, and lm-eval's
+`local-chat-completions` model against ours."""
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import anyio
 import httpx
 import pytest
 import torch
@@ -18,7 +22,8 @@ from openpretrain.__main__ import main as cli
 from openpretrain.models.common import generate
 from openpretrain.chat import END, chat_ids, render
 from openpretrain.engine import ChatModel
-from openpretrain.posttrain.server import ChatClient, ChatError, ServeConfig, app, serving
+from openpretrain.posttrain.client import ChatClient, ChatError
+from openpretrain.posttrain.server import Admission, BadRequest, ServeConfig, app, serving
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
 
@@ -194,7 +199,28 @@ def test_a_request_beyond_the_slot_and_queue_is_503_and_the_server_stays_up(serv
         assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
 
 
+def test_a_request_cancelled_in_the_queue_gives_its_place_back():
+    async def scenario() -> int:
+        admission = Admission(1, 1)
+        admission.admit()
+        await admission.acquire()                                 # the first request decodes
+        admission.admit()                                         # the second waits in the queue ...
+        with anyio.move_on_after(0.05):
+            await admission.acquire()                             # ... and is cancelled there
+        admission.admit()                                         # so a third finds its place
+        with pytest.raises(BadRequest, match="busy"):
+            admission.admit()                                     # and a fourth none
+        return admission.admitted
+    assert anyio.run(scenario) == 2
+
+
 # ---- the client, against a fake server ---------------------------------------------------------------------------
+
+def test_the_client_imports_no_server_framework():
+    probe = "import sys, openpretrain.posttrain.client; print(sorted({'starlette', 'uvicorn', 'torch'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded == "[]\n", f"importing the client loaded {loaded.strip()}"
+
 
 OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Allegra"}, "finish_reason": "stop"}]}
 
