@@ -27,8 +27,8 @@ from ..chat import END, chat_ids
 from ..engine import ChatModel, check_room, generate
 from .sft import sft_preset, translate
 from ..tokenization import HFTokenizer
-from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
-from ..training.plan import fingerprint, plan
+from ..training.checkpoint import checkpoints, latest_valid_checkpoint, load_model
+from ..training.plan import RowLoader, fingerprint, plan
 from ..training.trainer import train
 
 # %% auto #0
@@ -216,37 +216,23 @@ class PreferenceObjective:
         return dpo_losses(self.loss, logratio, lengths).sum()
 
 # %% ../../../nbs/17_alignment.ipynb #1cb5db44
-class PreferenceLoader:
-    "A run's prompts (with their completions and rewards) in a seeded order reshuffled each epoch; rank r reads every world-th micro-batch."
+class PreferenceLoader(RowLoader):
+    "Chapter 10b's row loader over a run's prompts, each with its completions and rewards."
+    key, noun = "data", "preference data"
+
     def __init__(self, data: PreferenceBatch, micro_batch: int, rank: int = 0, world_size: int = 1, seed: int = 0):
-        self.data, self.micro_batch, self.rank, self.world_size, self.seed = data, micro_batch, rank, world_size, seed
-        self.calls = 0                                   # micro-batches this rank has read
+        super().__init__(len(data.input_ids), micro_batch, rank, world_size, seed)
+        self.data = data
 
     @property
     def digest(self) -> str:
-        "sha256 of every tensor of the data: what a resumed run must find again."
         h = hashlib.sha256()
         for t in vars(self.data).values():
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.data.input_ids))
-
-    def next_batch(self) -> PreferenceBatch:
-        n, start = len(self.data.input_ids), (self.calls * self.world_size + self.rank) * self.micro_batch
-        picks = [self.order(k // n)[k % n] for k in range(start, start + self.micro_batch)]
-        self.calls += 1
+    def take(self, picks: list[int]) -> PreferenceBatch:
         return PreferenceBatch(**{k: v[picks] for k, v in vars(self.data).items()})
-
-    def state_dict(self) -> dict:
-        return {"calls": self.calls, "data": self.digest}
-
-    def load_state_dict(self, d: dict) -> None:
-        if d.get("data") != self.digest:
-            raise CheckpointError("this checkpoint was written over other preference data (its sha256 differs): resume "
-                                  "it with its own data, or start a fresh run")
-        self.calls = d["calls"]
 
 # %% ../../../nbs/17_alignment.ipynb #08abe202
 @dataclass(kw_only=True)

@@ -33,7 +33,7 @@ from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_chec
                                                save_weights, verify_checkpoint)
 from ..training.data import Batch
 from ..training.optim import OptimConfig, warmup_then
-from ..training.plan import TrainConfig, fingerprint, micro_batch_for, plan
+from ..training.plan import RowLoader, TrainConfig, fingerprint, micro_batch_for, plan
 from ..training.trainer import train
 
 # %% auto #0
@@ -78,32 +78,22 @@ def sft_rows(tokenizer, conversations: list[dict], seq_len: int, pack: bool = Tr
                 len(conversations) - len(dropped), dropped)
 
 # %% ../../../nbs/16_sft.ipynb #cef57a5d
-class SFTLoader:
-    "Rows in a seeded order reshuffled each epoch; rank r reads every world-th micro-batch; resumable."
+class SFTLoader(RowLoader):
+    "Chapter 10b's row loader over SFT rows: inputs, next-id labels, the assistant-target mask, a segment per BoS."
+    key, noun = "rows", "SFT rows"
+
     def __init__(self, rows: Rows, micro_batch: int, bos_id: int, rank: int = 0, world_size: int = 1, seed: int = 0):
-        self.rows, self.micro_batch, self.bos_id = rows, micro_batch, bos_id
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.calls = 0                                   # micro-batches this rank has read
+        super().__init__(len(rows.ids), micro_batch, rank, world_size, seed)
+        self.data, self.bos_id = rows, bos_id
 
-    def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows.ids))
+    @property
+    def digest(self) -> str:
+        return self.data.digest
 
-    def next_batch(self) -> Batch:
-        n, start = len(self.rows.ids), (self.calls * self.world_size + self.rank) * self.micro_batch
-        picks = [self.order(k // n)[k % n] for k in range(start, start + self.micro_batch)]
-        self.calls += 1
-        ids, target = torch.from_numpy(self.rows.ids[picks]), torch.from_numpy(self.rows.target[picks])   # (B, L + 1)
+    def take(self, picks: list[int]) -> Batch:
+        ids, target = torch.from_numpy(self.data.ids[picks]), torch.from_numpy(self.data.target[picks])   # (B, L + 1)
         inputs = ids[:, :-1]
         return Batch(inputs, ids[:, 1:], target[:, 1:], (inputs == self.bos_id).long().cumsum(1))
-
-    def state_dict(self) -> dict:
-        return {"calls": self.calls, "rows": self.rows.digest}
-
-    def load_state_dict(self, d: dict) -> None:
-        if d.get("rows") != self.rows.digest:
-            raise CheckpointError("this checkpoint was written over other SFT rows (their sha256 differs): resume it "
-                                  "with its own data, or start a fresh run")
-        self.calls = d["calls"]
 
 # %% ../../../nbs/16_sft.ipynb #dfc562be
 @dataclass(kw_only=True)

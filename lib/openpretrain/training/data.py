@@ -14,8 +14,10 @@ import math
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
@@ -32,8 +34,8 @@ from .curriculum import (Curriculum, SourceSpec, pool_identity, run_stages, stag
 # %% auto #0
 __all__ = ['DONE', 'DataConfig', 'input_documents', 'TokenizeSources', 'TokenCacheError', 'tokenize_curriculum',
            'embedded_sources', 'check_token_folder', 'TokenPool', 'token_pools', 'row_counts', 'StagePlan',
-           'stage_counts', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted', 'TokenLoader', 'accounting_table',
-           'phase_table']
+           'stage_counts', 'stage_plan', 'Batch', 'pack_rows', 'CurriculumExhausted', 'Loader', 'TokenLoader',
+           'accounting_table', 'phase_table']
 
 # %% ../../../nbs/08_data.ipynb #fa17c6da
 @dataclass(kw_only=True)
@@ -305,7 +307,16 @@ def pack_rows(rows: np.ndarray, bod: int, eod: int, label_mask=None) -> Batch:
 class CurriculumExhausted(RuntimeError):
     "The loader has served every stage's budget."
 
-class TokenLoader:
+class Loader(Protocol):
+    "What the trainer reads of every loader: micro-batches in order (iterating yields them), and a position to checkpoint."
+    def next_batch(self): ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, d: dict) -> None: ...
+
+    def __iter__(self) -> Iterator:
+        return iter(self.next_batch, None)              # a loader never yields None: iteration runs until it raises
+
+class TokenLoader(Loader):
     "Deterministic, rank-sharded, resumable reader of a curriculum's packed rows."
 
     def __init__(self, curriculum: Curriculum, pools: dict[str, TokenPool], seq_len: int, micro_batch: int,

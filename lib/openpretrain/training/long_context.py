@@ -27,7 +27,7 @@ from ..models.registry import context_limit, model_config, with_context
 from ..tokenization import load_tokenizer
 from .checkpoint import latest_valid_checkpoint, verify_checkpoint
 from .curriculum import UNITS, Curriculum, StageSpec, counted_tokens, load_curriculum
-from .data import Batch, accounting_table
+from .data import Batch, Loader, accounting_table
 from .optim import warmup_then, wsd_steps
 from .plan import Plan, TrainConfig, fingerprint, micro_batch_for, plan, served_batches, token_loader
 from .trainer import train
@@ -92,7 +92,7 @@ def stage_plans(p: Preset, keep_theta: bool = False) -> list[tuple[StageSpec, Pl
     return out
 
 # %% ../../../nbs/11b_long_context.ipynb #d2670dc1
-class WholeRows:
+class WholeRows(Loader):
     "A loader whose rows are one segment each: attention across documents, positions 0 … L − 1 (no intra-document mask)."
     def __init__(self, loader):
         self.loader = loader

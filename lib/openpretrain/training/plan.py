@@ -9,22 +9,24 @@ on first use)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..core import ConfigError, Preset, load_preset, to_dict
 from ..corpus import column_values
 from ..models.registry import ModelConfig, context_limit, model_config
 from ..tokenization import TokenizerConfig, load_tokenizer
-from .checkpoint import FORMATS
+from .checkpoint import FORMATS, CheckpointError
 from .curriculum import Curriculum, load_curriculum
-from .data import Batch, DataConfig, TokenLoader, token_pools
+from .data import Batch, DataConfig, Loader, TokenLoader, token_pools
 from .goldfish import GoldfishConfig
 from .optim import OptimConfig, Schedule
 
 # %% auto #0
-__all__ = ['TrainConfig', 'micro_batch_for', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections',
-           'check_data_budget', 'fingerprint', 'token_loader', 'served_batches']
+__all__ = ['LoaderFactory', 'TrainConfig', 'micro_batch_for', 'Plan', 'plan', 'check_inputs', 'check_batches', 'check_selections',
+           'check_data_budget', 'fingerprint', 'token_loader', 'RowLoader', 'served_batches']
 
 # %% ../../../nbs/10b_plan.ipynb #107d5713
 @dataclass(kw_only=True)
@@ -154,6 +156,8 @@ def fingerprint(pl: Plan) -> dict:
             "seed": pl.preset.seed, "world_size": pl.world_size}
 
 # %% ../../../nbs/10b_plan.ipynb #cc34ad80
+LoaderFactory = Callable[[Plan, object, int, int, object], Loader]   # (plan, tokenizer, rank, world size, label mask) → loader
+
 def token_loader(pl: Plan, tokenizer, rank: int = 0, world_size: int = 1, label_mask=None) -> TokenLoader:
     "This process's loader over the plan's curriculum, with `label_mask` (Goldfish) ANDed into every loss mask."
     if pl.curriculum is None:
@@ -163,10 +167,48 @@ def token_loader(pl: Plan, tokenizer, rank: int = 0, world_size: int = 1, label_
     return TokenLoader(pl.curriculum, pools, pl.data.seq_len, pl.train.micro_batch, tokenizer.bos_id,
                        tokenizer.eos_id, rank, world_size, pl.preset.seed, label_mask)
 
+# %% ../../../nbs/10b_plan.ipynb #79d185b3
+class RowLoader(Loader):
+    "Rows in a seeded order reshuffled each epoch; rank r reads every world-th micro-batch; resumable over the same rows only."
+    key, noun = "rows", "rows"            # the state's name for the rows' sha256, and what an error calls them
+
+    def __init__(self, rows: int, micro_batch: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rows, self.micro_batch, self.rank, self.world_size, self.seed = rows, micro_batch, rank, world_size, seed
+        self.calls = 0                                   # micro-batches this rank has read
+
+    def take(self, picks: list[int]):
+        "The batch of rows `picks`."
+        raise NotImplementedError
+
+    @property
+    def digest(self) -> str:
+        "sha256 of the rows: what a resumed run must find again."
+        raise NotImplementedError
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+
+    def next_batch(self):
+        start = (self.calls * self.world_size + self.rank) * self.micro_batch
+        picks = [self.order(k // self.rows)[k % self.rows] for k in range(start, start + self.micro_batch)]
+        self.calls += 1
+        return self.take(picks)
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls, self.key: self.digest}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get(self.key) != self.digest:
+            raise CheckpointError(f"this checkpoint was written over other {self.noun} (a different sha256): resume it "
+                                  "with its own data, or start a fresh run")
+        self.calls = d["calls"]
+
 # %% ../../../nbs/10b_plan.ipynb #5d74d66b
-def served_batches(pl: Plan, tokenizer, loader_factory=token_loader) -> Iterator[Batch]:
+def served_batches(pl: Plan, tokenizer, loader_factory: LoaderFactory = token_loader) -> Iterator[Batch]:
     "Every micro-batch a one-process run of `pl` is served, in order (no Goldfish mask): its reference lines' data."
-    loader = loader_factory(pl, tokenizer, 0, 1, None)                  # the trainer's loader_factory signature
+    batches = iter(loader_factory(pl, tokenizer, 0, 1, None))           # the trainer's loader_factory signature
     for step in range(pl.steps):
         for _ in range(pl.accumulation(step)):
-            yield loader.next_batch()
+            yield next(batches)

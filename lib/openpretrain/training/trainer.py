@@ -41,7 +41,8 @@ from .optim import build_optimizer, clip_grad
 from .parallel import (all_sum, autocast, device_of, flushing_denormals, gradient_sync,
                                             keep_freed_memory, measure_peak_flops, parallelize, sync,
                                             training_precision, unwrap)
-from .plan import Plan, fingerprint, plan, token_loader
+from .data import Loader
+from .plan import LoaderFactory, Plan, fingerprint, plan, token_loader
 
 # %% ../../../nbs/11_train.ipynb #03ca8e3b
 class Objective(Protocol):
@@ -81,7 +82,7 @@ class Run:
     plan: Plan
     model: nn.Module                 # DDP- or FSDP2-wrapped when several processes run
     optimizer: torch.optim.Optimizer
-    loader: object                   # next_batch(), state_dict(), load_state_dict(): a TokenLoader or a later chapter's
+    loader: Loader                   # chapter 08's contract: a TokenLoader, or a later chapter's (long-context, row loaders)
     accelerator: object              # accelerate.Accelerator: device, processes, backward
     out: Path                        # the run folder: metrics.jsonl, run.json, checkpoints/
     log: MetricsLog | None = None    # rank 0's metrics.jsonl
@@ -274,8 +275,8 @@ def check_fresh(out: Path) -> None:
 
 # %% ../../../nbs/11_train.ipynb #f7f4dda7
 @contextlib.contextmanager
-def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, loader_factory=token_loader,
-              init: str | os.PathLike | None = None):
+def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False,
+              loader_factory: LoaderFactory = token_loader, init: str | os.PathLike | None = None):
     "A run of `pl` — its folder locked, model, optimizer and loader built, resumed if asked — for the block's duration."
     from accelerate import Accelerator
     cuda = resolve_device(pl.preset.device).startswith("cuda")
@@ -302,7 +303,7 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
         yield run
 
 # %% ../../../nbs/11_train.ipynb #1f3b8ef7
-def build_run(pl: Plan, out: Path, accelerator, loader_factory) -> Run:
+def build_run(pl: Plan, out: Path, accelerator, loader_factory: LoaderFactory) -> Run:
     "The seeded model, its optimizer and this process's loader, at step 0."
     seed_everything(pl.preset.seed)
     model = registry.build_model(pl.model, device=device_of(accelerator), compile=pl.train.compile)
@@ -337,7 +338,8 @@ def resume_run(run: Run) -> None:
 
 # %% ../../../nbs/11_train.ipynb #47b688b9
 def train(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False, *,
-          objective: Objective = PRETRAINING, loader_factory=token_loader, init: str | os.PathLike | None = None) -> Path:
+          objective: Objective = PRETRAINING, loader_factory: LoaderFactory = token_loader,
+          init: str | os.PathLike | None = None) -> Path:
     "Train the plan's model under `objective` (on its curriculum or `loader_factory`'s batches; from `init`'s weights if given)."
     with start_run(pl, out_dir, resume, loader_factory, init) as run:
         train_loop(run, objective)
