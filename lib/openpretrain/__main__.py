@@ -46,10 +46,10 @@ def _compliance(args) -> int:
     for flag in ("tasks", "workers"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    name = load_preset(args.preset).name  # a path to a preset file runs under the preset's own name
-    out = args.output_dir or outputs_root() / name / "compliance"
+    p = load_preset(args.preset)          # read once; a path to a preset file runs under the preset's own name
+    out = args.output_dir or outputs_root() / p.name / "compliance"
     from openpretrain.compliance.pipeline import run_compliance  # heavy: only once flags and preset are good
-    run_compliance(preset=args.preset, tasks=args.tasks, workers=args.workers, output_dir=out)
+    run_compliance(preset=p, tasks=args.tasks, workers=args.workers, output_dir=out)
     return 0
 
 # %% ../../nbs/91_cli.ipynb #ffdcaba7

@@ -483,6 +483,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'openpretrain.core._plain': ('core.html#_plain', 'openpretrain/core.py'),
                                    'openpretrain.core._refuse_duplicate_keys': ('core.html#_refuse_duplicate_keys', 'openpretrain/core.py'),
                                    'openpretrain.core._unknown_key': ('core.html#_unknown_key', 'openpretrain/core.py'),
+                                   'openpretrain.core.as_preset': ('core.html#as_preset', 'openpretrain/core.py'),
                                    'openpretrain.core.bounded': ('core.html#bounded', 'openpretrain/core.py'),
                                    'openpretrain.core.by_construction': ('core.html#by_construction', 'openpretrain/core.py'),
                                    'openpretrain.core.compile_cache': ('core.html#compile_cache', 'openpretrain/core.py'),

@@ -36,8 +36,9 @@ from fastcore.basics import patch_to
 __all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'NUMERICS_ENV', 'CPU_ISA_FLAGS',
            'CHAPTER_NAME', 'VERDICTS', 'project_root', 'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse',
            'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets',
-           'load_preset', 'seed_everything', 'resolve_device', 'numerics', 'compile_cache', 'outputs_root', 'Artifacts',
-           'Tolerance', 'Verdict', 'by_construction', 'not_comparable', 'holds', 'within', 'effect', 'paper_vs_ours']
+           'load_preset', 'as_preset', 'seed_everything', 'resolve_device', 'numerics', 'compile_cache', 'outputs_root',
+           'Artifacts', 'Tolerance', 'Verdict', 'by_construction', 'not_comparable', 'holds', 'within', 'effect',
+           'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -327,6 +328,10 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
         raise ConfigError(f"{path}:{lines.get('preset', 1)}: preset name {name!r} must be lower-case words joined by "
                           "hyphens (it names the run's folders: runs/<name>, outputs/<name>)", "preset")
     return Preset(name=name, path=path, raw=raw, lines=lines)
+
+def as_preset(preset: Preset | str | os.PathLike) -> Preset:
+    "A loaded preset as it is, a name or path loaded: a command reads its preset file once and passes the object on."
+    return preset if isinstance(preset, Preset) else load_preset(preset)
 
 # %% ../../nbs/00_core.ipynb #ab486e82
 @patch_to(Preset)

@@ -39,7 +39,7 @@ from .pii import PIIAnonymizer, PIIConfig
 from .robots import RobotsConfig, RobotsFilter
 from .toxicity import (ToxicityConfig, ToxicityFilter, ToxicityScorer, doc_language, load_heads,
                                               make_embedder, random_score)
-from ..core import folder_lock, load_preset, outputs_root
+from ..core import Preset, as_preset, folder_lock, outputs_root
 
 # %% ../../../nbs/04a_pipeline.ipynb #514779c4
 STAGES = ("malformed", "robots", "toxicity", "pii")  # ledger steps in pipeline order (PII rewrites, removes nothing)
@@ -224,11 +224,11 @@ class CompliancePipeline(list):
         super().__init__(steps)
         self.output_dir = output_dir
 
-def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: str = "tiny", *,
+def build_pipeline(input_dir: str | Path, output_dir: str | Path, preset: Preset | str = "tiny", *,
                    robots_snapshot, thresholds: dict[str, float] | None = None,
                    heads_path: str | Path | None = None, fmt: str = "jsonl") -> CompliancePipeline:
     "reader → quarantine → robots → toxicity → PII → writer; every step fails closed into `removed/errors`."
-    out, p = Path(output_dir), load_preset(preset)
+    out, p = Path(output_dir), as_preset(preset)
     tox = p.section("toxicity", ToxicityConfig)
     thresholds = thresholds if thresholds is not None else json.loads((out / "toxicity_thresholds.json").read_text())
     removed = lambda step: JsonlWriter(str(out / "removed" / step))
@@ -254,10 +254,10 @@ def make_reader(input_path: str | Path, fmt: str = "jsonl"):
     return readers[fmt](str(folder), glob_pattern=pattern, recursive=True)
 
 # %% ../../../nbs/04a_pipeline.ipynb #59572906
-def calibrate(input_dir: str | Path, preset: str, robots_snapshot, heads_path: str | Path | None = None,
+def calibrate(input_dir: str | Path, preset: Preset | str, robots_snapshot, heads_path: str | Path | None = None,
               fmt: str = "jsonl") -> dict[str, float]:
     "Per-language thresholds (and '*') on a hashed sample of what reaches the toxicity step; {} when nothing does."
-    p = load_preset(preset)
+    p = as_preset(preset)
     cfg = p.section("toxicity", ToxicityConfig)
     docs = make_reader(input_dir, fmt)()
     for step in (Quarantine(), RobotsFilter(robots_snapshot, p.section("robots", RobotsConfig))):
@@ -347,19 +347,20 @@ def make_executor(pipeline: list, kind: str = "local", *, tasks: int, workers: i
     return executors[kind](pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir), **kwargs)
 
 # %% ../../../nbs/04a_pipeline.ipynb #0ff7317b
-def run_compliance(preset: str = "tiny", tasks: int = 2, workers: int = 2, output_dir: str | Path | None = None, *,
+def run_compliance(preset: Preset | str = "tiny", tasks: int = 2, workers: int = 2, output_dir: str | Path | None = None, *,
                    input_dir: str | Path | None = None, fmt: str | None = None, robots_snapshot=None,
                    heads_path: str | Path | None = None) -> Ledger:
     "Run reader → robots → toxicity → PII → writer locally; resumable, one run per output folder; returns the ledger."
-    out = Path(output_dir) if output_dir else outputs_root() / preset / "compliance"
-    input_dir, fmt, robots_snapshot = _defaults(preset, input_dir, fmt, robots_snapshot)
+    p = as_preset(preset)                                            # read once: calibration and pipeline share it
+    out = Path(output_dir) if output_dir else outputs_root() / p.name / "compliance"
+    input_dir, fmt, robots_snapshot = _defaults(input_dir, fmt, robots_snapshot)
     ids = input_ids(input_dir, fmt)  # fails closed on duplicate ids, before anything is written
     tasks = plan_tasks(tasks, input_dir, fmt)
     with folder_lock(out, "compliance run"):
         thresholds_file = out / "toxicity_thresholds.json"
         if not thresholds_file.exists():  # a resumed run keeps the thresholds of the first one
-            thresholds_file.write_text(json.dumps(calibrate(input_dir, preset, robots_snapshot, heads_path, fmt), indent=1))
-        pipeline = build_pipeline(input_dir, out, preset, robots_snapshot=robots_snapshot, heads_path=heads_path,
+            thresholds_file.write_text(json.dumps(calibrate(input_dir, p, robots_snapshot, heads_path, fmt), indent=1))
+        pipeline = build_pipeline(input_dir, out, p, robots_snapshot=robots_snapshot, heads_path=heads_path,
                                   fmt=fmt)
         make_executor(pipeline, "local", tasks=tasks, workers=min(workers, tasks), logging_dir=out / "logs",
                       lock_dir=None).run()  # the lock is held here already
@@ -393,7 +394,7 @@ def read_ledger(output_dir: str | Path) -> Ledger:
     folders = [out / "kept", *sorted((out / "removed").glob("*"))]
     return Ledger.from_folders(*folders, count_tokens=count_tokens)
 
-def _defaults(preset: str, input_dir, fmt, robots_snapshot):
+def _defaults(input_dir, fmt, robots_snapshot):
     "The embedded corpus (train split, Parquet) and its January-2025 robots.txt snapshot unless given."
     from openpretrain import corpus
     if input_dir is None:

@@ -27,8 +27,8 @@ import torch
 from ..chat import END, JINJA, chat_tokenizer, render
 from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_dict
 from ..engine import ChatModel
-from ..models.registry import build_model
-from ..tokenization import load_tokenizer
+from ..models.registry import build_model, model_config
+from ..tokenization import HFTokenizer, load_tokenizer
 from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
                                                save_weights, verify_checkpoint)
 from ..training.data import Batch
@@ -232,17 +232,18 @@ def sft_data(c: SFTConfig, tokenizer) -> tuple[list[dict], pd.DataFrame, pd.Data
     return kept, test, pd.DataFrame(rows)
 
 # %% ../../../nbs/16_sft.ipynb #ef38248a
-def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os.PathLike, conversations: list[dict]) -> Path:
+def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os.PathLike, conversations: list[dict],
+             tokenizer: HFTokenizer | None = None) -> Path:
     "Fine-tune preset `p`'s model from a base checkpoint (None: a fresh initialisation) on `conversations` into `out`."
     c, out = p.section("sft", SFTConfig), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = chat_tokenizer(load_tokenizer(p))
+    tok = tokenizer or chat_tokenizer(load_tokenizer(p))       # the chat tokenizer, if the caller built it already
     tmp = out / f"tokenizer.json.{os.getpid()}.tmp"          # one per writer: concurrent starts never interleave
     tok.tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
     rows = sft_rows(tok, conversations, c.seq_len, c.pack)
     pl = plan(sft_preset(p, out / "tokenizer.json", tok.vocab_size, len(rows.ids)))
-    start = base_checkpoint and chat_start(plan(p).model, base_checkpoint, pl.model, out / "start")
+    start = base_checkpoint and chat_start(model_config(p), base_checkpoint, pl.model, out / "start")
     def loader(pl_, tokenizer, rank, world_size, label_mask):
         return SFTLoader(rows, pl_.train.micro_batch, tokenizer.bos_id, rank, world_size, pl_.preset.seed)
     train(pl, out / "run", resume=True, loader_factory=loader, init=start)
@@ -262,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         verify_checkpoint(Path(args.start))                   # before any data is built
         p = load_preset(args.preset)
         c = p.section("sft", SFTConfig)
-        conversations, _, table = sft_data(c, chat_tokenizer(load_tokenizer(p)))
+        tok = chat_tokenizer(load_tokenizer(p))                # loaded once: the data and the run share it
+        conversations, _, table = sft_data(c, tok)
         print(table.to_string(index=False), file=sys.stderr)
-        path = finetune(p, args.start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations)
+        path = finetune(p, args.start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations, tok)
     except (ConfigError, CheckpointError, FolderInUse, OSError, ValueError) as e:
         print(f"openpretrain sft: {e}", file=sys.stderr)
         return 2

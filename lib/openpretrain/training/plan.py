@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core import ConfigError, Preset, load_preset, to_dict
+from ..core import ConfigError, Preset, as_preset, to_dict
 from ..corpus import column_values
 from ..models.registry import ModelConfig, context_limit, model_config
 from ..tokenization import TokenizerConfig, load_tokenizer
@@ -71,6 +71,7 @@ class Plan:
     schedule: Schedule
     world_size: int
     steps: int                       # optimizer steps: the schedule's, or max_steps if fewer
+    tok: object = field(repr=False, default=None)   # the tokenizer itself, loaded once when the plan is checked (chapter 05)
 
     def accumulation(self, step: int) -> int:
         "Micro-batches per process at `step` (batch doubling = more accumulation at the same lr)."
@@ -79,12 +80,12 @@ class Plan:
 # %% ../../../nbs/10b_plan.ipynb #4bbc0a8c
 def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1) -> Plan:
     "Read and cross-check a preset's sections; every mistake is a `ConfigError` naming the key, before any compute."
-    p = preset if isinstance(preset, Preset) else load_preset(preset)
+    p = as_preset(preset)
     if max_steps is not None and max_steps < 1:
         raise ConfigError(f"{p.name}: max_steps must be ≥ 1, got {max_steps}")
     train, model, tok = p.section("train", TrainConfig), model_config(p), p.section("tokenizer", TokenizerConfig)
     data, optim, goldfish = p.section("data", DataConfig), p.section("optim", OptimConfig), p.section("goldfish", GoldfishConfig)
-    check_inputs(p.name, tok, model, data)
+    loaded = check_inputs(p.name, tok, model, data)
     schedule = Schedule(optim, data.seq_len)
     steps = min(schedule.total_steps, max_steps or schedule.total_steps)
     check_batches(p.name, train, schedule, steps, world_size)
@@ -92,11 +93,11 @@ def plan(preset: Preset | str, max_steps: int | None = None, world_size: int = 1
     if curriculum is not None:                   # None: a later chapter's loader serves (and checks) the rows
         check_selections(p.name, curriculum, data)
         check_data_budget(p.name, data, curriculum, schedule, steps)
-    return Plan(p, train, model, tok, data, curriculum, optim, goldfish, schedule, world_size, steps)
+    return Plan(p, train, model, tok, data, curriculum, optim, goldfish, schedule, world_size, steps, loaded)
 
 # %% ../../../nbs/10b_plan.ipynb #a5ed77ac
-def check_inputs(name: str, tok: TokenizerConfig, model: ModelConfig, data: DataConfig) -> None:
-    "The tokenizer loads, with the model's vocabulary and document markers; rows fit the model's context."
+def check_inputs(name: str, tok: TokenizerConfig, model: ModelConfig, data: DataConfig):
+    "The tokenizer loads (returned), with the model's vocabulary and document markers; rows fit the model's context."
     if tok.vocab_size != model.vocab_size:
         raise ConfigError(f"{name}: tokenizer '{tok.name}' has vocab_size {tok.vocab_size:,} but model.vocab_size "
                           f"is {model.vocab_size:,}; they must be equal")
@@ -107,7 +108,8 @@ def check_inputs(name: str, tok: TokenizerConfig, model: ModelConfig, data: Data
     if loaded.bos_id is None or loaded.eos_id is None:
         raise ConfigError(f"{name}.tokenizer: '{tok.name}' has no {tok.bod} / {tok.eod} tokens to mark documents with")
     if (limit := context_limit(model)) is not None and data.seq_len > limit:
-        raise ConfigError(f"{name}.data.seq_len {data.seq_len:,} exceeds model.max_seq_len {limit:,}")
+        raise ConfigError(f"{name}.data.seq_len {data.seq_len:,} exceeds the model's context {limit:,}")
+    return loaded
 
 # %% ../../../nbs/10b_plan.ipynb #df0ef753
 def check_batches(name: str, train: TrainConfig, schedule: Schedule, steps: int, world_size: int) -> None:

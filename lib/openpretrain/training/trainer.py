@@ -32,7 +32,6 @@ __all__ = ['PRETRAINING', 'STEP_KEYS', 'Objective', 'CrossEntropy', 'ZLoss', 'Ru
 # %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
 from ..models import registry
-from ..tokenization import load_tokenizer
 from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, checkpoints,
                                               latest_valid_checkpoint, load_weights, prune_checkpoints, restore_state,
                                               save_checkpoint)
@@ -309,10 +308,9 @@ def build_run(pl: Plan, out: Path, accelerator, loader_factory: LoaderFactory) -
     model = registry.build_model(pl.model, device=device_of(accelerator), compile=pl.train.compile)
     precision = training_precision(pl.train.precision, device_of(accelerator).type == "cuda")
     model = parallelize(model, pl.train, accelerator, precision)
-    tokenizer = load_tokenizer(pl.tokenizer)
-    drops = DropCounter(mask) if (mask := label_mask(pl.goldfish, tokenizer)) else None
+    drops = DropCounter(mask) if (mask := label_mask(pl.goldfish, pl.tok)) else None
     return Run(pl, model, build_optimizer(model, pl.optim),
-               loader_factory(pl, tokenizer, accelerator.process_index, accelerator.num_processes, drops),
+               loader_factory(pl, pl.tok, accelerator.process_index, accelerator.num_processes, drops),
                accelerator, out, hooks=[goldfish_share(drops)] if drops else [], precision=precision)
 
 def start_from(run: Run, init: str | os.PathLike) -> None:
