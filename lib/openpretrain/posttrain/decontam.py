@@ -131,6 +131,7 @@ def hash_table(texts: list[list[int]], n: int) -> np.ndarray:
             table[window_hashes(as_array([t]), n)] = True
     return table
 
+# %% ../../../nbs/15_decontamination.ipynb #e5b4a2ef
 class BenchmarkIndex:
     "Benchmark prompts as token ids, the inverted index n-gram → the prompts holding it, and its hash table."
     def __init__(self, tokens: dict[str, list[int]], config: DecontaminationConfig | None = None):
@@ -169,6 +170,7 @@ class BenchmarkIndex:
                     at[gram].append(p)
         return at
 
+# %% ../../../nbs/15_decontamination.ipynb #af295926
 def encode(tokenizer, text: str, config: DecontaminationConfig) -> list[int]:
     "A text's token ids as the rule sees them: the training tokenizer's, with its BoS in front if `special_tokens`."
     ids = tokenizer.encode(text)

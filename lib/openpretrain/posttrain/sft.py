@@ -249,6 +249,7 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os
     train(pl, out / "run", resume=True, loader_factory=loader, init=start)
     return latest_valid_checkpoint(out / "run" / "checkpoints", fingerprint(pl))
 
+# %% ../../../nbs/16_sft.ipynb #e627d5bb
 def main(argv: list[str] | None = None) -> int:
     "`openpretrain sft --preset tiny --from CHECKPOINT [--out DIR]`; a run that cannot start prints one line, exit 2."
     from openpretrain.core import FolderInUse, project_root
