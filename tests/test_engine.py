@@ -9,6 +9,8 @@ import torch
 
 from chat_models import TOK, chat_checkpoint
 from openpretrain.engine import ChatModel, Completion, batches, check_room, generate, room, stream
+from openpretrain.evaluation.strategies import solution_prompt
+from openpretrain.evaluation.testbed import problems
 from openpretrain.evaluation import test_time as tt
 from openpretrain.models import common
 from openpretrain.models.dense import DenseConfig
@@ -91,7 +93,7 @@ def test_batches_group_one_length_and_budget_in_order_of_first_appearance():
 def test_the_test_time_step_sampler_runs_on_a_hybrid_policy():
     "Chapter 18's search steps read the context through the registry: a hybrid policy (no max_seq_len) samples them."
     policy = ChatModel(model(dataclasses.replace(HYBRID, vocab_size=TOK.vocab_size)), TOK)
-    prompts = [policy.ask(tt.solution_prompt(p.prompt)) for p in tt.problems(3, seed=1)]
+    prompts = [policy.ask(solution_prompt(p.prompt)) for p in problems(3, seed=1)]
     steps = tt.sample_steps(policy, prompts, 6, 0.0, seed=0)
     stops = {*policy.line_ends, policy.end}
     for prompt, step in zip(prompts, steps):

@@ -1,6 +1,6 @@
-"""Test-time compute (chapter 18): the grader, the step labels, the generator, the selectors, beam search's
-bookkeeping and cost, revisions, compute-optimal selection, the FLOPs match and the bootstrap, against hand-worked
-expectations."""
+"""Test-time compute, the pure half of chapter 18 (17c_testbed, 17d_strategies): the grader, the step labels, the
+generator, the selectors, beam search's bookkeeping and cost, revisions, compute-optimal selection, the FLOPs match
+and the bootstrap, against hand-worked expectations."""
 import math
 import re
 
@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpretrain.core import ConfigError, from_dict
-from openpretrain.evaluation.test_time import (LANGUAGES, Problem, SearchConfig, StudyConfig, WordProblemConfig,
-                                               accuracy_at_budget, aggregate, answer_line, beam_search, best_of_n,
-                                               bootstrap_ci, compute_optimal, difficulty_bins, extract_answer,
-                                               flops_multiplier, inference_flops, is_correct, majority_vote,
-                                               matched_samples, oracle_bins, parse_step, predicted_bins,
-                                               pretrain_flops, problems, revision_chains, select_chains,
-                                               selection_stability, solution_prompt, splits, step_holds, step_labels,
-                                               two_folds, weighted_best_of_n)
+from openpretrain.evaluation.strategies import (SearchConfig, StudyConfig, accuracy_at_budget, aggregate, beam_search,
+                                                best_of_n, bootstrap_ci, compute_optimal, difficulty_bins,
+                                                flops_multiplier, inference_flops, majority_vote, matched_samples,
+                                                oracle_bins, predicted_bins, pretrain_flops, revision_chains,
+                                                select_chains, selection_stability, solution_prompt, splits, two_folds,
+                                                weighted_best_of_n)
+from openpretrain.evaluation.testbed import (LANGUAGES, Problem, WordProblemConfig, answer_line, extract_answer,
+                                             is_correct, parse_step, problems, step_holds, step_labels)
 
 
 # --- the grader ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import torch
 
 from chat_models import TOK, chat_checkpoint
 from openpretrain.core import load_preset
+from openpretrain.evaluation.strategies import solution_prompt
+from openpretrain.evaluation.testbed import answer_line, problems, solution_lines
 from openpretrain.evaluation import test_time as tt
 from openpretrain.models.common import generate
 from openpretrain.models.dense import DenseConfig
@@ -23,13 +25,13 @@ def model(tmp_path_factory) -> ChatModel:
     return ChatModel.load(ckpt, root / "tokenizer.json", config)
 
 
-PROBLEMS = tt.problems(6, seed=3)
+PROBLEMS = problems(6, seed=3)
 
 
 def test_verify_equals_each_conversation_alone(model):
     texts = [p.solution for p in PROBLEMS] + ["Answer: 7", PROBLEMS[0].steps[0]]
     questions = [p.prompt for p in PROBLEMS] + [PROBLEMS[1].prompt, PROBLEMS[2].prompt]
-    lines = [tt.solution_lines(t) for t in texts]
+    lines = [solution_lines(t) for t in texts]
     batched = tt.verify(model, questions, lines, process=True, chunk=3)
     assistant, (plus,), (minus,) = chat_ids(TOK)["<|assistant|>"], TOK.encode(tt.PLUS), TOK.encode(tt.MINUS)
     for q, ls, got in zip(questions, lines, batched):
@@ -43,12 +45,12 @@ def test_verify_equals_each_conversation_alone(model):
 
 
 def test_orm_scores_one_turn_and_empty_solutions_none(model):
-    scores = tt.verify(model, [PROBLEMS[0].prompt] * 2, [tt.solution_lines(PROBLEMS[0].solution), []], process=False)
+    scores = tt.verify(model, [PROBLEMS[0].prompt] * 2, [solution_lines(PROBLEMS[0].solution), []], process=False)
     assert len(scores[0]) == 1 and scores[1] == []
 
 
 def test_sample_steps_is_greedy_generate_cut_at_the_first_stop(model):
-    prompts = [model.ask(tt.solution_prompt(p.prompt)) for p in PROBLEMS[:4]]
+    prompts = [model.ask(solution_prompt(p.prompt)) for p in PROBLEMS[:4]]
     got = tt.sample_steps(model, prompts, max_tokens=12, temperature=0.0, seed=0)
     stops = {*model.line_ends, model.end}
     for prompt, step in zip(prompts, got):
@@ -58,7 +60,7 @@ def test_sample_steps_is_greedy_generate_cut_at_the_first_stop(model):
 
 
 def test_sample_steps_draws_depend_on_the_seed_only(model):
-    prompts = [model.ask(tt.solution_prompt(PROBLEMS[0].prompt))] * 3
+    prompts = [model.ask(solution_prompt(PROBLEMS[0].prompt))] * 3
     a = tt.sample_steps(model, prompts, 10, 1.0, seed=5)
     assert a == tt.sample_steps(model, prompts, 10, 1.0, seed=5)
     assert len({tuple(s) for s in a}) > 1 or a != tt.sample_steps(model, prompts, 10, 1.0, seed=6)
@@ -74,7 +76,7 @@ def test_verifier_targets_are_the_labels_only():
 
 def test_revision_pairs_show_at_most_context_attempts():
     p = PROBLEMS[1]
-    wrong = [p.solution.replace(tt.answer_line(p.answer), tt.answer_line(p.answer + k)) for k in range(1, 7)]
+    wrong = [p.solution.replace(answer_line(p.answer), answer_line(p.answer + k)) for k in range(1, 7)]
     for s in range(10):
         for c in tt.revision_conversations(p, [p.solution, *wrong], 2, np.random.default_rng(s)):
             prompt = c["messages"][0]["content"]
@@ -91,7 +93,7 @@ def test_task_preset_carries_the_run_and_the_shape():
 
 def test_monte_carlo_labels_of_an_answer_line_are_its_outcome(model):
     p = PROBLEMS[2]
-    off = p.solution.replace(tt.answer_line(p.answer), tt.answer_line(p.answer + 1))
+    off = p.solution.replace(answer_line(p.answer), answer_line(p.answer + 1))
     right, wrong = (tt.mc_labels(model, p, t, rollouts=2, max_new_tokens=8, temperature=1.0, seed=0) for t in (p.solution, off))
     assert len(right) == len(p.steps) + 1 and right[-1] == 1.0 and wrong[-1] == 0.0   # the first answer line decides
     assert all(0.0 <= v <= 1.0 for v in right + wrong)

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openpretrain.evaluation.test_time import difficulty_bins, majority_vote, weighted_best_of_n
+from openpretrain.evaluation.strategies import difficulty_bins, majority_vote, weighted_best_of_n
 
 
 def memoized_canonical_form(expression: str) -> str:
