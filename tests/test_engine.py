@@ -111,3 +111,50 @@ def test_a_chat_model_loads_the_config_its_checkpoint_records(tmp_path):
         ChatModel.load(ckpt, config=other)
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         ChatModel.load(tmp_path / "nowhere")
+
+
+# --- a checkpoint to serve, checked before anything is built (issue 43, cause 2) --------------------------------
+
+def reseal(folder):
+    "Record the folder's files in its manifest anew: a damage the hashes cannot show."
+    import json
+    from openpretrain.core import sha256_file
+    (folder / "manifest.json").write_text(json.dumps({p.relative_to(folder).as_posix(): sha256_file(p)
+                                                      for p in sorted(folder.rglob("*"))
+                                                      if p.is_file() and p.name != "manifest.json"}))
+
+
+def recorded_as(ckpt, edit):
+    "The checkpoint with its state.json's recorded model changed by `edit`, resealed."
+    import json
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state["fingerprint"])
+    (ckpt / "state.json").write_text(json.dumps(state))
+    reseal(ckpt)
+    return ckpt
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda f: f["model"].update(n_layers=80, d_model=8192, mlp_hidden=28672), "weights are not this model's"),
+    (lambda f: f["model"].update(d_model=8192), "the model's is"),
+    (lambda f: f["model"].update(n_layerz=2), "unknown key 'n_layerz'"),
+    (lambda f: f.update(model=[1, 2]), "records no model config"),
+    (lambda f: f["model"].update(d_model=-3), "d_model"),
+])
+def test_a_served_checkpoint_recording_another_model_is_refused_before_anything_is_built(tmp_path, monkeypatch, edit, problem):
+    ckpt = recorded_as(chat_checkpoint(tmp_path), edit)
+    import openpretrain.training.checkpoint as checkpoint
+    built = []
+    real = checkpoint.build_model
+    monkeypatch.setattr(checkpoint, "build_model", lambda config, device="cpu", **kw: built.append(device) or real(config, device, **kw))
+    with pytest.raises(CheckpointError, match=problem):
+        ChatModel.load(ckpt)
+    assert "cpu" not in built, "a model was allocated before its checkpoint was checked"
+
+
+def test_a_garbage_tokenizer_is_one_config_error(tmp_path):
+    from openpretrain.core import ConfigError
+    ckpt = chat_checkpoint(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a tokenizer.json"):
+        ChatModel.load(ckpt)

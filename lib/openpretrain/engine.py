@@ -160,7 +160,10 @@ def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | Non
             raise ConfigError(f"no tokenizer.json in the folders above {path}: pass the chat tokenizer")
     if not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer {tokenizer}: no such file")
-    tok = HFTokenizer.from_file(tokenizer)
+    try:
+        tok = HFTokenizer.from_file(tokenizer)
+    except Exception as e:                                          # tokenizers raises its own Exception on a bad file
+        raise ConfigError(f"tokenizer {tokenizer}: not a tokenizer.json ({str(e).splitlines()[0][:120]})") from None
     chat_ids(tok)                                                   # ConfigError without the markers
     if tok.vocab_size != config.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size:,} ids, the model {config.vocab_size:,}")
