@@ -4,6 +4,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
   'syms': { 'openpretrain.chat': { 'openpretrain.chat.chat_ids': ('chat.html#chat_ids', 'openpretrain/chat.py'),
                                    'openpretrain.chat.chat_tokenizer': ('chat.html#chat_tokenizer', 'openpretrain/chat.py'),
                                    'openpretrain.chat.check_messages': ('chat.html#check_messages', 'openpretrain/chat.py'),
+                                   'openpretrain.chat.hf_chat_tokenizer': ('chat.html#hf_chat_tokenizer', 'openpretrain/chat.py'),
                                    'openpretrain.chat.render': ('chat.html#render', 'openpretrain/chat.py')},
             'openpretrain.compliance.ledger': { 'openpretrain.compliance.ledger.Ledger': ( 'ledger.html#ledger',
                                                                                            'openpretrain/compliance/ledger.py'),

@@ -16,6 +16,9 @@ END = "<|end|>"
 CHAT_TOKENS = (*(f"<|{r}|>" for r in ROLES), END)   # appended after the base vocabulary, in this order
 JINJA = ("{{ bos_token }}{% for m in messages %}"
          "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+         "{% for t in ['<|system|>', '<|user|>', '<|assistant|>', '<|end|>'] %}{% if t in m['content'] %}"
+         "{{ raise_exception('a turn holds the chat marker ' + t + ': refused, so that typed text cannot open a turn') }}"
+         "{% endif %}{% endfor %}"
          "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
@@ -39,7 +42,7 @@ def chat_ids(tokenizer) -> dict[str, int]:
     return ids
 
 # %% auto #0
-__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'chat_tokenizer', 'chat_ids', 'check_messages', 'render']
+__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'chat_tokenizer', 'chat_ids', 'check_messages', 'render', 'hf_chat_tokenizer']
 
 # %% ../../nbs/05b_chat.ipynb #87f93f62
 def check_messages(messages) -> None:
@@ -63,3 +66,13 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
         ids.append(marker["<|assistant|>"])
         target.append(False)
     return ids, target
+
+# %% ../../nbs/05b_chat.ipynb #44666c9b
+def hf_chat_tokenizer(tokenizer):
+    "The transformers tokenizer of a chat tokenizer: markers as special tokens, `<|end|>` its EoS, the Jinja template."
+    from tokenizers import Tokenizer as HFTok
+    from transformers import PreTrainedTokenizerFast
+    fast = HFTok.from_str(tokenizer.tok.to_str())
+    fast.encode_special_tokens = False                    # the template renders the markers as text: they must map to ids
+    return PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>", eos_token=END, pad_token="<pad>",
+                                   chat_template=JINJA)

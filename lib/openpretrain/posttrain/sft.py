@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..chat import END, JINJA, chat_tokenizer, render
+from ..chat import chat_tokenizer, hf_chat_tokenizer, render
 from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_dict
 from ..engine import ChatModel
 from ..models.registry import build_model, model_config
@@ -309,11 +309,6 @@ def scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
 # %% ../../../nbs/16_sft.ipynb #bdd77f3b
 def export_chat(checkpoint: str | os.PathLike, tokenizer, out_dir: str | os.PathLike) -> Path:
     "A transformers folder of the checkpoint whose tokenizer carries the chat markers and template."
-    from tokenizers import Tokenizer as HFTok
-    from transformers import PreTrainedTokenizerFast
     out = export_hf(checkpoint, out_dir)
-    fast = HFTok.from_str(tokenizer.tok.to_str())
-    fast.encode_special_tokens = False                    # transformers renders the markers as text: they must map to ids
-    PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>", eos_token=END, pad_token="<pad>",
-                            chat_template=JINJA).save_pretrained(out)
+    hf_chat_tokenizer(tokenizer).save_pretrained(out)     # chapter 05b's template, refusing typed markers
     return out
