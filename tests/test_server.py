@@ -1,8 +1,10 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
-log-probabilities, every malformed request a 4xx, 413, the server up after each), the client's retries, timeout,
-cache and one-line errors against a fake server, that the client loads no server framework, and lm-eval's
-`local-chat-completions` model against ours."""
+log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: malformed values
+400s, one-line refusals of bad flags), the client's retries, timeout, cache and one-line errors against a fake server,
+that the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
 import json
+import queue
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from openpretrain.posttrain.client import ChatClient, ChatError
 from openpretrain.posttrain.server import Admission, BadRequest, ServeConfig, app, serving
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +217,53 @@ def test_a_request_cancelled_in_the_queue_gives_its_place_back():
     assert anyio.run(scenario) == 2
 
 
+# ---- hardening: malformed values (issue 43) ------------------------------------------------------------------------
+
+
+def wait_for(condition, seconds: float = 10) -> bool:
+    "Poll `condition` every 20 ms for at most `seconds`."
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+BAD_VALUES = [  # (route, raw body, error param)
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": '
+     + b"9" * 5000 + b"}", None),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "seed": 2**64}).encode(), "seed"),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "seed": -2**70}).encode(), "seed"),
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}', "messages"),
+    ("completions", b'{"model": "openpretrain", "prompt": "\\udfff"}', "prompt"),
+    ("chat/completions", b"[" * 100_000 + b"]" * 100_000, None),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 1}).encode()[:-1]
+     + b', "metadata": ' + b"[" * 200 + b"]" * 200 + b"}", "metadata"),      # deep in a field we ignore
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', None),
+]
+
+
+@pytest.fixture(scope="module")
+def roomy_url(served):
+    "Our server with the default 1 MiB body bound, which a body nested 100,000 deep fits."
+    with serving(app(served, ServeConfig(max_tokens=64))) as base_url:
+        yield base_url
+
+
+@pytest.mark.parametrize("route,body,param", BAD_VALUES,
+                         ids=["5000-digits", "seed-2^64", "seed--2^70", "escaped-surrogate", "raw-surrogate",
+                              "prompt-surrogate", "nested-100000", "nested-200", "NaN"])
+def test_a_malformed_value_is_a_400_not_a_500(roomy_url, route, body, param):
+    url = roomy_url
+    r = httpx.post(f"{url}/{route}", content=body, headers=JSON, timeout=30)
+    assert r.status_code == 400, r.text[:200]
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param) and error["message"]
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
+
+
 # ---- the client, against a fake server ---------------------------------------------------------------------------
 
 def test_the_client_imports_no_server_framework():
@@ -343,7 +393,7 @@ def test_lm_evals_local_chat_completions_generates_against_our_server(url):
 
 
 def test_serve_refuses_a_missing_checkpoint_in_one_line(capsys, tmp_path):
-    assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere"), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("openpretrain serve: ") and "no such checkpoint folder" in err and err.count("\n") == 1
 
@@ -356,3 +406,55 @@ def test_serving_stops_its_server_even_after_an_error(served):
             raise RuntimeError("inside")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+BAD_FLAGS = [  # (flags, what the one line says)
+    (["--port", "{busy}"], "Address already in use"),
+    (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1"),
+    (["--name", ""], "serve.name: must be a non-empty"),
+    (["--max-tokens", str(10**23)], "serve.max_tokens"),
+    (["--max-tokens", "10^23"], "argument --max-tokens: invalid int value"),
+]
+
+
+@pytest.mark.parametrize("flags,says", BAD_FLAGS, ids=["port-in-use", "bad-host", "empty-name", "max-tokens-1e23",
+                                                      "max-tokens-not-int"])
+def test_serve_refuses_a_bad_flag_in_one_line(capsys, tmp_path, flags, says):
+    with socket.socket() as busy:                              # a port another server listens on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        flags = [f.format(busy=busy.getsockname()[1]) for f in flags]
+        assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openpretrain serve: ") and says in err and err.count("\n") == 1, err
+
+
+def test_serve_announces_the_port_it_bound(checkpoint):
+    proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "serve", "--checkpoint", str(checkpoint), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put("")], daemon=True).start()   # "": it ended
+    try:
+        announced = None
+        for _ in range(50):                                    # the announcement is among the first lines
+            line = lines.get(timeout=60)
+            if not line or (announced := re.search(r"^openpretrain serve: \S+ on http://127\.0\.0\.1:(\d+)/v1", line)):
+                break
+        assert announced and int(announced[1]) != 0, "serve announced no port"
+        base_url = f"http://127.0.0.1:{int(announced[1])}/v1"
+        assert wait_for(lambda: _up(base_url), 60), f"nothing answers at {base_url}"
+        assert httpx.get(f"{base_url}/models", timeout=5).json()["data"][0]["id"] == NAME
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _up(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import threading
 import time
@@ -67,6 +68,13 @@ def _number(body: dict, key: str, default, kind=(int, float)):
         raise BadRequest(400, f"'{key}' must be a {'integer' if kind is int else 'number'}, got {value!r}", key)
     return value
 
+def _seed(body: dict) -> int | None:
+    "The request's seed, within the signed 64-bit range vLLM accepts and torch's generator takes."
+    seed = _number(body, "seed", None, int)
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise BadRequest(400, f"'seed' must be in [-2**63, 2**63 - 1], got {seed}", "seed")
+    return seed
+
 # %% ../../../nbs/17a_server.ipynb #572db4e9
 def sampling(body: dict, cap: int, chat: bool) -> Sampling:
     "The request's sampling settings, each checked; BadRequest names the first bad one."
@@ -92,8 +100,8 @@ def sampling(body: dict, cap: int, chat: bool) -> Sampling:
     top = _number(body, "top_logprobs", 0, int)
     if not 0 <= top <= 20 or (top and not flags["logprobs"]):
         raise BadRequest(400, f"'top_logprobs' must be in [0, 20] and needs 'logprobs': true, got {top}", "top_logprobs")
-    return Sampling(max_tokens, float(temperature), float(top_p), _number(body, "seed", None, int), tuple(stop),
-                    flags["stream"], flags["logprobs"], top)
+    return Sampling(max_tokens, float(temperature), float(top_p), _seed(body), tuple(stop), flags["stream"],
+                    flags["logprobs"], top)
 
 # %% ../../../nbs/17a_server.ipynb #816c10ef
 def _token(tokenizer, i: int, logprob: float) -> dict:
@@ -152,26 +160,65 @@ class ServeConfig:
     host: str = "127.0.0.1"                 # bind address (loopback: nothing off this machine reaches it)
     port: int = bounded(8000, 0, 65535)     # 0: any free port
     name: str = "openpretrain"              # the model name /v1/models lists and requests must send (vLLM: its path)
-    max_body_bytes: int = bounded(1 << 20, 1)   # larger request bodies → 413
-    max_tokens: int = bounded(512, 1)       # cap on a request's max_tokens (above → 400) and the default
-    max_concurrency: int = bounded(1, 1)    # replies decoded at once (each uses every core torch is given)
-    max_queue: int = bounded(16, 0)         # requests waiting for a slot; one more → 503
+    max_body_bytes: int = bounded(1 << 20, 1, 1 << 30)   # larger request bodies → 413
+    max_tokens: int = bounded(512, 1, 1 << 20)       # cap on a request's max_tokens (above → 400) and the default
+    max_concurrency: int = bounded(1, 1, 256)        # replies decoded at once (each uses every core torch is given)
+    max_queue: int = bounded(16, 0, 4096)            # requests waiting for a slot; one more → 503
+
+    def __post_init__(self):
+        if not (self.name.strip() and self.name.isprintable()):
+            raise ConfigError(f"serve.name: must be a non-empty printable string, got {self.name!r}", "serve.name")
+
+# %% ../../../nbs/17a_server.ipynb #d747dfc4
+_DIGITS, _DEPTH = 32, 64
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > _DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {_DIGITS})")
+    return int(text)
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+def _walk(body: dict) -> None:
+    "BadRequest 400, naming the top-level field, for nesting deeper than _DEPTH or a string that is not UTF-8."
+    todo = [(v, 2, k) for k, v in body.items()] + [(k, 1, k) for k in body]
+    while todo:
+        value, depth, top = todo.pop()
+        if depth > _DEPTH:
+            raise BadRequest(400, f"the body nests deeper than {_DEPTH} levels", top)
+        if isinstance(value, dict):
+            todo += [(k, depth, top) for k in value] + [(v, depth + 1, top) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(v, depth + 1, top) for v in value]
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise BadRequest(400, "a string is not valid Unicode text (a lone surrogate)", top) from None
+
+def _parse(raw: bytes) -> dict:
+    "The body's JSON object, parsed defensively; BadRequest 400 for anything else."
+    try:
+        body = json.loads(raw, parse_int=_int, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:             # JSONDecodeError, UnicodeDecodeError, long ints, deep nesting
+        raise BadRequest(400, f"the body is not JSON we accept ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    _walk(body)
+    return body
 
 async def _body(request: Request, limit: int) -> dict:
-    if int(request.headers.get("content-length") or 0) > limit:
+    "The request's JSON object, within `limit` bytes (413)."
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
         raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
-    raw = b""
+    raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > limit:
             raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(400, f"the body is not JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest(400, "the body must be a JSON object")
-    return body
+    return _parse(bytes(raw))
 
 # %% ../../../nbs/17a_server.ipynb #87d85bd7
 class Admission:
@@ -280,46 +327,85 @@ def app(served: ChatModel, c: ServeConfig | None = None) -> Starlette:
     web.state.served, web.state.config, web.state.admission = served, c, Admission(c.max_concurrency, c.max_queue)
     return web
 
-# %% ../../../nbs/17a_server.ipynb #0831c3f6
+# %% ../../../nbs/17a_server.ipynb #c16de524
+def _listen(host: str, port: int) -> socket.socket:
+    "A socket bound to host:port (0: a free port) for uvicorn to listen on; OSError of one line if it cannot be had."
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, ValueError) as e:                       # gaierror: no such host; ValueError: not a host name
+        raise OSError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+def _server(asgi, log_level: str):
+    "A uvicorn server for `asgi`, to run on a socket of ours."
+    import uvicorn
+    return uvicorn.Server(uvicorn.Config(asgi, lifespan="off", log_level=log_level))
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
 @contextmanager
 def serving(asgi, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     "Run `asgi` under uvicorn in a thread; yields its base URL (…/v1) and stops it on exit, even after an error."
-    import uvicorn
-    server = uvicorn.Server(uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = _listen(host, port)
+    server = _server(asgi, "warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 30
         while not server.started:
-            if not thread.is_alive():
+            if not thread.is_alive() or time.monotonic() > deadline:
                 raise OSError(f"the server could not start on {host}:{port}")
             time.sleep(0.01)
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://{host}:{bound}/v1"
+        yield _url(host, sock.getsockname()[1])
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 # %% ../../../nbs/17a_server.ipynb #b0951de0
-def main(argv: list[str] | None = None) -> int:
-    "`openpretrain serve --checkpoint DIR [--tokenizer FILE] [--host H] [--port N]`; a server that cannot start: one line, exit 2."
+class _Flags(argparse.ArgumentParser):
+    "argparse whose usage errors are ConfigError: one line and exit 2, like every other refusal of `serve`."
+    def error(self, message: str):
+        raise ConfigError(message)
+
+def _flags() -> argparse.ArgumentParser:
     d = ServeConfig()
-    ap = argparse.ArgumentParser(prog="openpretrain serve", description="an OpenAI-compatible server for a chat checkpoint")
+    ap = _Flags(prog="openpretrain serve", description="an OpenAI-compatible server for a chat checkpoint")
     ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N)")
     ap.add_argument("--tokenizer", help="its chat tokenizer.json (default: the nearest one in the folders above it)")
     ap.add_argument("--host", default=d.host)
-    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--port", type=int, default=d.port, help="0: any free port (the one bound is announced)")
     ap.add_argument("--name", default=d.name, help="the model name requests send")
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens")
     ap.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="replies decoded at once")
-    args = ap.parse_args(argv)
+    return ap
+
+def _config(args: argparse.Namespace) -> ServeConfig:
+    "The flags' ServeConfig."
+    return from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name, "max_tokens": args.max_tokens,
+                                   "max_concurrency": args.max_concurrency}, "serve")
+
+def main(argv: list[str] | None = None) -> int:
+    "`openpretrain serve --checkpoint DIR [--tokenizer FILE] [--host H] [--port N] …`; a server that cannot start: one line, exit 2."
+    sock = None
     try:
-        c = from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name,
-                                    "max_tokens": args.max_tokens, "max_concurrency": args.max_concurrency}, "serve")
+        args = _flags().parse_args(argv)
+        c = _config(args)
+        sock = _listen(c.host, c.port)                                  # before the model: a taken port fails at once
         served = ChatModel.load(args.checkpoint, args.tokenizer, name=c.name)
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
-        print(f"openpretrain serve: {e}", file=sys.stderr)
+        if sock is not None:
+            sock.close()
+        print(f"openpretrain serve: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    import uvicorn
-    print(f"openpretrain serve: {served.name} on http://{c.host}:{c.port}/v1", file=sys.stderr)
-    uvicorn.run(app(served, c), host=c.host, port=c.port, log_level="info")
+    print(f"openpretrain serve: {served.name} on {_url(c.host, sock.getsockname()[1])}", file=sys.stderr)
+    _server(app(served, c), "info").run(sockets=[sock])
     return 0
