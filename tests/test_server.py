@@ -1,10 +1,13 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
-log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: malformed values
-400s, one-line refusals of bad flags), the client's retries, timeout, cache and one-line errors against a fake server,
-that the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
+log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: Host,
+Content-Type and API-key checks, slow heads and bodies cut off, malformed values 400s, one-line refusals of bad flags),
+the client's retries, timeout, cache and one-line errors against a fake server, that the client loads no server
+framework, and lm-eval's `local-chat-completions` model against ours."""
 import json
+import os
 import queue
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -149,8 +152,8 @@ def test_completions_refuse_a_non_string_prompt_and_logprobs(url):
 
 def test_an_oversize_body_is_413_whether_announced_or_chunked(url):
     big = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}).encode()
-    assert httpx.post(f"{url}/chat/completions", content=big, timeout=30).status_code == 413
-    chunked = httpx.post(f"{url}/chat/completions", content=iter([big[:15_000], big[15_000:]]), timeout=30)
+    assert httpx.post(f"{url}/chat/completions", content=big, headers=JSON, timeout=30).status_code == 413
+    chunked = httpx.post(f"{url}/chat/completions", content=iter([big[:15_000], big[15_000:]]), headers=JSON, timeout=30)
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
     assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
 
@@ -217,7 +220,25 @@ def test_a_request_cancelled_in_the_queue_gives_its_place_back():
     assert anyio.run(scenario) == 2
 
 
-# ---- hardening: malformed values (issue 43) ------------------------------------------------------------------------
+# ---- hardening: foreign pages and slow clients, malformed values (issue 43) ---------------------------------------
+
+def port_of(base_url: str) -> int:
+    return int(base_url.rsplit(":", 1)[1].split("/")[0])
+
+
+def read_until_closed(s: socket.socket, seconds: float = 10) -> bytes:
+    "Everything the server sends until it closes the connection, within `seconds`."
+    s.settimeout(seconds)
+    data, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def wait_for(condition, seconds: float = 10) -> bool:
@@ -228,6 +249,108 @@ def wait_for(condition, seconds: float = 10) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_a_post_that_is_not_json_is_415(url):
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": kind} if kind else {}
+        r = httpx.post(f"{url}/chat/completions", content=json.dumps({"model": NAME, "messages": HELLO}),
+                       headers=headers, timeout=30)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+    assert chat(url, max_tokens=1).status_code == 200                      # application/json; charset=... is fine
+
+
+def test_a_host_header_that_is_not_this_server_is_refused(url):
+    port, root = port_of(url), url.removesuffix("/v1")
+    for host, status in ((f"rebound.example:{port}", 421), (f"127.0.0.1:{port + 1}", 421), ("localhost", 421),
+                         (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200)):
+        r = httpx.get(f"{root}/health", headers={"host": host}, timeout=5)
+        assert r.status_code == status, (host, r.text)
+        assert status == 200 or r.json()["error"]["code"] == "misdirected_request"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:      # HTTP/1.0 may leave Host out; we may not
+        s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        answer = read_until_closed(s, 5)
+    assert answer.startswith(b"HTTP/1.1 400") and json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_host"
+
+
+def test_an_api_key_is_required_when_one_is_set(served):
+    with serving(app(served, ServeConfig(api_key="sekrit", max_tokens=4))) as base_url:
+        for auth in (None, "Bearer wrong", "sekrit", "Bearer sekrit2"):
+            r = httpx.get(f"{base_url}/models", headers={"authorization": auth} if auth else {}, timeout=5)
+            error = r.json()["error"]
+            assert (r.status_code, error["code"], error["type"]) == (401, "invalid_api_key", "invalid_request_error")
+            assert r.headers["www-authenticate"] == "Bearer"
+        key = {"authorization": "Bearer sekrit"}
+        assert httpx.get(f"{base_url}/models", headers=key, timeout=5).json()["data"][0]["id"] == NAME
+        r = httpx.post(f"{base_url}/chat/completions", json={"model": NAME, "messages": HELLO, "max_tokens": 2},
+                       headers=key, timeout=30)
+        assert r.status_code == 200
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200   # no key needed
+
+
+def test_a_body_that_drips_is_cut_off_with_408(served):
+    with serving(app(served, ServeConfig(body_timeout_s=1.0))) as base_url:
+        port = port_of(base_url)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{" % port)
+            t0, answered = time.monotonic(), False
+            for _ in range(40):                                          # a byte every 0.25 s, 10 s at most
+                if select.select([s], [], [], 0.25)[0]:
+                    answered = True
+                    break
+                s.sendall(b" ")
+            answer, elapsed = read_until_closed(s, 5), time.monotonic() - t0
+        assert answered and elapsed < 4, f"no answer {elapsed:.1f} s into a dripping body"
+        assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower()
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+
+
+def closed(s: socket.socket) -> bool:
+    "Whether the server has closed `s` (it sends nothing else to a request head that never ends)."
+    if not select.select([s], [], [], 0)[0]:
+        return False
+    try:
+        return s.recv(1) == b""
+    except OSError:
+        return True
+
+
+def _drip(s: socket.socket) -> bool:
+    try:
+        s.sendall(b"X-Drip: 1\r\n")
+        return True
+    except OSError:
+        return False
+
+
+def test_dripping_request_heads_are_cut_off_and_health_answers(served):
+    "24 connections that send a header line every 0.2 s hold more than the 16 connections allowed: for a second only."
+    c = ServeConfig(head_timeout_s=1.0, max_connections=16)
+    with serving(app(served, c)) as base_url:
+        port, health = port_of(base_url), base_url.removesuffix("/v1") + "/health"
+        drips = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(24)]
+        try:
+            for s in drips:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            t0, cut, healthy = time.monotonic(), set(), None
+            while time.monotonic() - t0 < 10 and (len(cut) < len(drips) or healthy is None):
+                for i, s in enumerate(drips):
+                    if i not in cut and (closed(s) or not _drip(s)):
+                        cut.add(i)
+                if healthy is None:
+                    try:
+                        healthy = time.monotonic() - t0 if httpx.get(health, timeout=1).status_code == 200 else None
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.2)
+            elapsed = time.monotonic() - t0
+        finally:
+            for s in drips:
+                s.close()
+        assert len(cut) == len(drips), f"{len(drips) - len(cut)} dripping connections still open after {elapsed:.1f} s"
+        assert healthy is not None and healthy < c.head_timeout_s + 3, f"/health unanswered for {healthy or elapsed:.1f} s"
 
 
 BAD_VALUES = [  # (route, raw body, error param)
@@ -414,11 +537,12 @@ BAD_FLAGS = [  # (flags, what the one line says)
     (["--name", ""], "serve.name: must be a non-empty"),
     (["--max-tokens", str(10**23)], "serve.max_tokens"),
     (["--max-tokens", "10^23"], "argument --max-tokens: invalid int value"),
+    (["--api-key", ""], "serve.api_key"),
 ]
 
 
 @pytest.mark.parametrize("flags,says", BAD_FLAGS, ids=["port-in-use", "bad-host", "empty-name", "max-tokens-1e23",
-                                                      "max-tokens-not-int"])
+                                                      "max-tokens-not-int", "empty-api-key"])
 def test_serve_refuses_a_bad_flag_in_one_line(capsys, tmp_path, flags, says):
     with socket.socket() as busy:                              # a port another server listens on
         busy.bind(("127.0.0.1", 0))
@@ -429,9 +553,10 @@ def test_serve_refuses_a_bad_flag_in_one_line(capsys, tmp_path, flags, says):
     assert err.startswith("openpretrain serve: ") and says in err and err.count("\n") == 1, err
 
 
-def test_serve_announces_the_port_it_bound(checkpoint):
+def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_environment(checkpoint):
+    env = {**os.environ, "OPENPRETRAIN_API_KEY": "sekrit"}
     proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "serve", "--checkpoint", str(checkpoint), "--port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines = queue.Queue()
     threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put("")], daemon=True).start()   # "": it ended
     try:
@@ -440,10 +565,11 @@ def test_serve_announces_the_port_it_bound(checkpoint):
             line = lines.get(timeout=60)
             if not line or (announced := re.search(r"^openpretrain serve: \S+ on http://127\.0\.0\.1:(\d+)/v1", line)):
                 break
-        assert announced and int(announced[1]) != 0, "serve announced no port"
+        assert announced and int(announced[1]) != 0 and "API key required" in line, "serve announced no port"
         base_url = f"http://127.0.0.1:{int(announced[1])}/v1"
         assert wait_for(lambda: _up(base_url), 60), f"nothing answers at {base_url}"
-        assert httpx.get(f"{base_url}/models", timeout=5).json()["data"][0]["id"] == NAME
+        assert httpx.get(f"{base_url}/models", timeout=5).status_code == 401
+        assert httpx.get(f"{base_url}/models", headers={"authorization": "Bearer sekrit"}, timeout=5).status_code == 200
     finally:
         proc.terminate()
         try:

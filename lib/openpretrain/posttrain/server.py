@@ -9,7 +9,11 @@ request with an OpenAI-shaped 4xx. Reads a verified checkpoint and its chat toke
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
+import os
+import re
 import socket
 import sys
 import threading
@@ -17,13 +21,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
 import torch
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -39,15 +44,16 @@ __all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', '
 
 # %% ../../../nbs/17a_server.ipynb #08199514
 class BadRequest(Exception):
-    "A request refused with `status` and an OpenAI-shaped error body."
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    "A request refused with `status` and an OpenAI-shaped error body (and any response `headers`)."
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 @dataclass(frozen=True)
 class Sampling:
@@ -164,10 +170,19 @@ class ServeConfig:
     max_tokens: int = bounded(512, 1, 1 << 20)       # cap on a request's max_tokens (above → 400) and the default
     max_concurrency: int = bounded(1, 1, 256)        # replies decoded at once (each uses every core torch is given)
     max_queue: int = bounded(16, 0, 4096)            # requests waiting for a slot; one more → 503
+    api_key: str | None = field(default=None, repr=False)   # every route but /health needs `Authorization: Bearer <key>`
+    hosts: tuple[str, ...] = ()             # host names a Host header may give besides localhost and the bound address
+    max_connections: int = bounded(64, 2, 65536)     # uvicorn's limit_concurrency: beyond it, its plain 503
+    head_timeout_s: float = bounded(10.0, 0.1, 3600)  # a request head (line and headers) not in by then: closed
+    body_timeout_s: float = bounded(30.0, 0.1, 3600)  # a body not in this long after its head → 408
+    keep_alive_s: float = bounded(5.0, 0.1, 3600)    # an idle keep-alive connection is closed after this
+    max_head_bytes: int = bounded(16 << 10, 1 << 10, 1 << 20)   # h11's bound on a request head → 400
 
     def __post_init__(self):
-        if not (self.name.strip() and self.name.isprintable()):
-            raise ConfigError(f"serve.name: must be a non-empty printable string, got {self.name!r}", "serve.name")
+        for key, value in (("name", self.name), ("api_key", self.api_key), *(("hosts", h) for h in self.hosts)):
+            if value is not None and not (value.strip() and value.isprintable()):
+                shown = "" if key == "api_key" else f", got {value!r}"
+                raise ConfigError(f"serve.{key}: must be a non-empty printable string{shown}", f"serve.{key}")
 
 # %% ../../../nbs/17a_server.ipynb #d747dfc4
 _DIGITS, _DEPTH = 32, 64
@@ -208,17 +223,65 @@ def _parse(raw: bytes) -> dict:
     _walk(body)
     return body
 
-async def _body(request: Request, limit: int) -> dict:
-    "The request's JSON object, within `limit` bytes (413)."
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large", headers={"connection": "close"})
+
+async def _body(request: Request, c: ServeConfig) -> dict:
+    "The request's JSON object: sent as application/json (415), within max_body_bytes (413) and body_timeout_s (408)."
+    kind = request.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise BadRequest(415, f"Content-Type must be application/json, got {kind!r}", code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
-        raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > c.max_body_bytes):
+        raise _too_large(c.max_body_bytes)
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
+    try:
+        with anyio.fail_after(c.body_timeout_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > c.max_body_bytes:
+                    raise _too_large(c.max_body_bytes)
+    except TimeoutError:
+        raise BadRequest(408, f"the request body did not arrive within {c.body_timeout_s:g} s", code="request_timeout",
+                         headers={"connection": "close"}) from None
     return _parse(bytes(raw))
+
+# %% ../../../nbs/17a_server.ipynb #65bdafe4
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::([0-9]{1,5}))?", re.IGNORECASE)
+
+def _host(headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+    "The (lower-case name, port) of a request's one Host header (port 80 if it gives none); BadRequest 400 otherwise."
+    given = [v for k, v in headers if k == b"host"]
+    m = _HOST.fullmatch(given[0].decode("latin-1")) if len(given) == 1 else None
+    if m is None:
+        raise BadRequest(400, "a request needs exactly one well-formed Host header", code="invalid_host")
+    return m[1].strip("[]").lower(), int(m[2] or 80)
+
+class _Guard:
+    "ASGI middleware in front of every route: a Host that names this server (421), and the API key if one is set (401)."
+    def __init__(self, app, c: ServeConfig):
+        self.app, self.names = app, {*_LOOPBACK, c.host.lower(), *(h.lower() for h in c.hosts)}
+        self.key = None if c.api_key is None else hashlib.sha256(f"Bearer {c.api_key}".encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        try:
+            if scope["type"] == "http":
+                self.check(scope)
+        except BadRequest as e:
+            return await e.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def check(self, scope) -> None:
+        name, port = _host(scope["headers"])
+        here, there = scope.get("server") or (None, None)              # the address the connection arrived on
+        if (name not in self.names and name != here) or (there is not None and port != there):
+            raise BadRequest(421, f"the Host header names {name}:{port}, which is not this server", code="misdirected_request")
+        if self.key is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), self.key):
+                raise BadRequest(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 # %% ../../../nbs/17a_server.ipynb #87d85bd7
 class Admission:
@@ -287,7 +350,7 @@ async def complete(request: Request, chat: bool) -> Response:
     "POST /v1/chat/completions (`chat`) or /v1/completions: every check, a place, a slot, then the reply."
     served, c, admission = request.app.state.served, request.app.state.config, request.app.state.admission
     try:
-        body = await _body(request, c.max_body_bytes)
+        body = await _body(request, c)
         s = sampling(body, c.max_tokens, chat)
         ids, end = _prompt(served, body, chat)
         admission.admit()
@@ -323,9 +386,46 @@ def app(served: ChatModel, c: ServeConfig | None = None) -> Starlette:
     web = Starlette(routes=[Route("/v1/chat/completions", partial(complete, chat=True), methods=["POST"]),
                             Route("/v1/completions", partial(complete, chat=False), methods=["POST"]),
                             Route("/v1/models", models), Route("/health", health)],
-                    exception_handlers={404: not_found, 405: not_found})
+                    exception_handlers={404: not_found, 405: not_found}, middleware=[Middleware(_Guard, c=c)])
     web.state.served, web.state.config, web.state.admission = served, c, Admission(c.max_concurrency, c.max_queue)
     return web
+
+# %% ../../../nbs/17a_server.ipynb #0831c3f6
+def _protocol(head_timeout: float) -> type:
+    "uvicorn's h11 protocol, closing a connection whose request head is not in `head_timeout` s after it began."
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimed(H11Protocol):
+        timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.watch()
+
+        def data_received(self, data: bytes):
+            super().data_received(data)
+            self.watch()
+
+        def connection_lost(self, exc):
+            super().connection_lost(exc)
+            self.watch()
+
+        def watch(self) -> None:
+            "Arm the deadline while a head is awaited, disarm it once the head is in or the connection closes."
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if waiting and self.timer is None:
+                self.timer = self.loop.call_later(head_timeout, self.expire)
+            elif not waiting and self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+
+        def expire(self) -> None:
+            self.timer = None
+            if self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return HeadTimed
 
 # %% ../../../nbs/17a_server.ipynb #c16de524
 def _listen(host: str, port: int) -> socket.socket:
@@ -344,9 +444,12 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 def _server(asgi, log_level: str):
-    "A uvicorn server for `asgi`, to run on a socket of ours."
+    "A uvicorn server for `asgi` within the bounds of its ServeConfig (the defaults for another app)."
     import uvicorn
-    return uvicorn.Server(uvicorn.Config(asgi, lifespan="off", log_level=log_level))
+    c = getattr(getattr(asgi, "state", None), "config", None) or ServeConfig()
+    return uvicorn.Server(uvicorn.Config(asgi, http=_protocol(c.head_timeout_s), lifespan="off", log_level=log_level,
+                                         limit_concurrency=c.max_connections, timeout_keep_alive=c.keep_alive_s,
+                                         h11_max_incomplete_event_size=c.max_head_bytes, timeout_graceful_shutdown=5))
 
 def _url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
@@ -386,15 +489,20 @@ def _flags() -> argparse.ArgumentParser:
     ap.add_argument("--name", default=d.name, help="the model name requests send")
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens")
     ap.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="replies decoded at once")
+    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $OPENPRETRAIN_API_KEY, else none)")
+    ap.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="a host name the Host header may give besides localhost and --host (repeatable)")
     return ap
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    "The flags' ServeConfig."
+    "The flags' ServeConfig; the API key from --api-key, else OPENPRETRAIN_API_KEY (unset or empty: none)."
+    key = args.api_key if args.api_key is not None else os.environ.get("OPENPRETRAIN_API_KEY") or None
     return from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name, "max_tokens": args.max_tokens,
-                                   "max_concurrency": args.max_concurrency}, "serve")
+                                   "max_concurrency": args.max_concurrency, "api_key": key,
+                                   "hosts": args.allowed_host}, "serve")
 
 def main(argv: list[str] | None = None) -> int:
-    "`openpretrain serve --checkpoint DIR [--tokenizer FILE] [--host H] [--port N] …`; a server that cannot start: one line, exit 2."
+    "`openpretrain serve --checkpoint DIR [--host H] [--port N] [--api-key K] …`; a server that cannot start: one line, exit 2."
     sock = None
     try:
         args = _flags().parse_args(argv)
@@ -406,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.close()
         print(f"openpretrain serve: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"openpretrain serve: {served.name} on {_url(c.host, sock.getsockname()[1])}", file=sys.stderr)
+    print(f"openpretrain serve: {served.name} on {_url(c.host, sock.getsockname()[1])}"
+          f"{' (API key required)' if c.api_key else ''}", file=sys.stderr)
     _server(app(served, c), "info").run(sockets=[sock])
     return 0
