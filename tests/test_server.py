@@ -1,8 +1,8 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
-log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: Host,
-Content-Type and API-key checks, slow heads and bodies cut off, malformed values 400s, one-line refusals of bad flags),
-the client's retries, timeout, cache and one-line errors against a fake server, that the client loads no server
-framework, and lm-eval's `local-chat-completions` model against ours."""
+log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: a client that
+leaves frees its slot, Host, Content-Type and API-key checks, slow heads and bodies cut off, malformed values 400s,
+one-line refusals of bad flags), the client's retries, timeout, cache and one-line errors against a fake server, that
+the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
 import json
 import os
 import queue
@@ -220,10 +220,18 @@ def test_a_request_cancelled_in_the_queue_gives_its_place_back():
     assert anyio.run(scenario) == 2
 
 
-# ---- hardening: foreign pages and slow clients, malformed values (issue 43) ---------------------------------------
+# ---- hardening: clients that leave, foreign pages and slow clients, malformed values (issue 43) --------------------
 
 def port_of(base_url: str) -> int:
     return int(base_url.rsplit(":", 1)[1].split("/")[0])
+
+
+def raw_request(port: int, path: str, body: bytes, host: str | None = None) -> socket.socket:
+    "A socket that has sent one whole POST of `body` as JSON, its answer not read."
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+              % (path.encode(), (host or f"127.0.0.1:{port}").encode(), len(body), body))
+    return s
 
 
 def read_until_closed(s: socket.socket, seconds: float = 10) -> bytes:
@@ -241,6 +249,22 @@ def read_until_closed(s: socket.socket, seconds: float = 10) -> bytes:
     return data
 
 
+class Slow(torch.nn.Module):
+    "A model whose every forward takes `delay` s more and is counted, so that a test can see decoding go on or stop."
+    def __init__(self, inner: torch.nn.Module, delay: float):
+        super().__init__()
+        self.inner, self.delay, self.calls = inner, delay, 0
+        self.config = inner.config
+
+    def init_cache(self, *args, **kwargs):
+        return self.inner.init_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.inner(*args, **kwargs)
+
+
 def wait_for(condition, seconds: float = 10) -> bool:
     "Poll `condition` every 20 ms for at most `seconds`."
     deadline = time.monotonic() + seconds
@@ -249,6 +273,85 @@ def wait_for(condition, seconds: float = 10) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_a_client_that_leaves_stops_its_reply_and_frees_the_slot(served):
+    slow = Slow(served.model, 0.05)                                # 64 steps: 3 s and more of decoding
+    web = app(ChatModel(slow, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=0, max_tokens=64))
+    with serving(web) as base_url:
+        body = json.dumps({"model": NAME, "messages": HELLO, "temperature": 0, "max_tokens": 64}).encode()
+        client = raw_request(port_of(base_url), "/v1/chat/completions", body)
+        assert wait_for(lambda: slow.calls >= 3), "the reply never started decoding"
+        client.close()                                              # the client leaves, its reply not read
+        at_leaving = slow.calls
+        assert wait_for(lambda: web.state.admission.admitted == 0, 5), "the slot was not given back"
+        time.sleep(0.5)
+        assert slow.calls - at_leaving <= 4, f"{slow.calls - at_leaving} more steps decoded for nobody"
+        t0 = time.monotonic()
+        assert chat(base_url, temperature=0, max_tokens=2).status_code == 200
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_client_that_leaves_a_stream_stops_it_and_frees_the_slot(served):
+    slow = Slow(served.model, 0.05)
+    web = app(ChatModel(slow, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=0, max_tokens=64))
+    with serving(web) as base_url:
+        body = json.dumps({"model": NAME, "messages": HELLO, "temperature": 0, "max_tokens": 64, "stream": True}).encode()
+        client = raw_request(port_of(base_url), "/v1/chat/completions", body)
+        assert client.recv(4096).startswith(b"HTTP/1.1 200") and wait_for(lambda: slow.calls >= 3)
+        client.close()
+        at_leaving = slow.calls
+        assert wait_for(lambda: web.state.admission.admitted == 0, 5), "the slot was not given back"
+        time.sleep(0.5)
+        assert slow.calls - at_leaving <= 4, f"{slow.calls - at_leaving} more steps decoded for nobody"
+
+def test_a_client_that_leaves_the_queue_gives_its_place_back(served):
+    gated = Gated(served.model)
+    web = app(ChatModel(gated, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=1, max_tokens=8))
+    with serving(web) as base_url:
+        try:
+            first = ThreadPoolExecutor(1).submit(chat, base_url, temperature=0, max_tokens=2)
+            assert gated.started.wait(30), "the first request never reached the model"
+            body = json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 2}).encode()
+            queued = raw_request(port_of(base_url), "/v1/chat/completions", body)
+            assert wait_for(lambda: web.state.admission.admitted == 2), "the second request was not queued"
+            queued.close()                                          # it leaves while it waits for the slot
+            assert wait_for(lambda: web.state.admission.admitted == 1, 5), "the place in the queue stayed taken"
+        finally:
+            gated.go.set()
+        assert first.result(30).status_code == 200 and wait_for(lambda: web.state.admission.admitted == 0, 5)
+
+
+def test_a_stream_abandoned_before_its_first_chunk_gives_its_slot_back(served):
+    "The client leaves while the response head is written: the events never start, the slot must still come back."
+    web = app(served, ServeConfig(max_concurrency=1, max_queue=0, max_tokens=8))
+    body = json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 4, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "",
+             "query_string": b"", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def scenario():
+        left, sent, messages = anyio.Event(), [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message["type"])
+            if message["type"] == "http.response.start":
+                left.set()                                       # the client leaves ...
+                await anyio.sleep(10)                            # ... while the head is still being written
+
+        with anyio.fail_after(20):
+            await web(scope, receive, send)
+        return sent, web.state.admission.admitted, web.state.admission.slots.value
+
+    assert anyio.run(scenario) == (["http.response.start"], 0, 1)
 
 
 def test_a_post_that_is_not_json_is_415(url):

@@ -338,31 +338,62 @@ def _answer(head: dict, prompt: int, done: list, s: Sampling, chat: bool) -> JSO
     return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                          "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}})
 
-async def _released(steps, admission: Admission):
-    "The reply's steps; its slot and place are given back when they end, fail or are abandoned."
-    try:
-        async for step in steps:
-            yield step
-    finally:
-        admission.release()
+async def _unless_gone(request: Request, work) -> tuple[bool, object]:
+    "(True, `await work()`), or (False, None) with `work` cancelled once the client has disconnected."
+    out = []
+    async with anyio.create_task_group() as tg:
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":   # the body is read: only the disconnect is left
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        out.append(await work())
+        tg.cancel_scope.cancel()
+    return (True, out[0]) if out else (False, None)
+
+class _Streamed(StreamingResponse):
+    "Server-sent events that give the reply's slot back once sent, failed or cancelled, even if they never started."
+    def __init__(self, events, release):
+        super().__init__(events, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+async def _collected(steps) -> list:
+    return [step async for step in steps]
+
+def _left() -> JSONResponse:
+    return BadRequest(499, "the client closed the connection", code="client_closed_request").response()
+
+async def _checked(request: Request, served: ChatModel, c: ServeConfig, chat: bool):
+    "The request's Sampling, prompt ids and end id; BadRequest for the first thing wrong with it."
+    body = await _body(request, c)
+    return sampling(body, c.max_tokens, chat), *_prompt(served, body, chat)
 
 async def complete(request: Request, chat: bool) -> Response:
     "POST /v1/chat/completions (`chat`) or /v1/completions: every check, a place, a slot, then the reply."
     served, c, admission = request.app.state.served, request.app.state.config, request.app.state.admission
     try:
-        body = await _body(request, c)
-        s = sampling(body, c.max_tokens, chat)
-        ids, end = _prompt(served, body, chat)
+        s, ids, end = await _checked(request, served, c, chat)
         admission.admit()
     except BadRequest as e:
         return e.response()
+    if not (await _unless_gone(request, admission.acquire))[0]:
+        return _left()                                                # it left the queue; acquire gave its place back
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": served.name}
-    await admission.acquire()
-    steps = _released(iterate_in_threadpool(reply_steps(served, ids, s, end)), admission)
+    steps = iterate_in_threadpool(reply_steps(served, ids, s, end))
     if s.stream:
-        return StreamingResponse(_events(steps, head, chat), media_type="text/event-stream")
-    return _answer(head, len(ids), [step async for step in steps], s, chat)
+        return _Streamed(_events(steps, head, chat), admission.release)
+    try:
+        whole, done = await _unless_gone(request, partial(_collected, steps))
+    finally:
+        admission.release()
+    return _answer(head, len(ids), done, s, chat) if whole else _left()
 
 async def models(request: Request) -> JSONResponse:
     "GET /v1/models: the one model served, with its context."
