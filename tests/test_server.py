@@ -1,8 +1,13 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
-log-probabilities, every malformed request a 4xx, 413, the server up after each), the client's retries, timeout,
-cache and one-line errors against a fake server, that the client loads no server framework, and lm-eval's
-`local-chat-completions` model against ours."""
+log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: a client that
+leaves frees its slot, Host, Content-Type and API-key checks, slow heads and bodies cut off, malformed values 400s,
+one-line refusals of bad flags), the client's retries, timeout, cache and one-line errors against a fake server, that
+the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
 import json
+import os
+import queue
+import re
+import select
 import socket
 import subprocess
 import sys
@@ -26,6 +31,7 @@ from openpretrain.posttrain.client import ChatClient, ChatError
 from openpretrain.posttrain.server import Admission, BadRequest, ServeConfig, app, serving
 HELLO = [{"role": "user", "content": "Übersetze ins Rumantsch: Alle Menschen sind frei."}]
 NAME = "openpretrain"
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,8 @@ def test_completions_refuse_a_non_string_prompt_and_logprobs(url):
 
 def test_an_oversize_body_is_413_whether_announced_or_chunked(url):
     big = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 30_000}]}).encode()
-    assert httpx.post(f"{url}/chat/completions", content=big, timeout=30).status_code == 413
-    chunked = httpx.post(f"{url}/chat/completions", content=iter([big[:15_000], big[15_000:]]), timeout=30)
+    assert httpx.post(f"{url}/chat/completions", content=big, headers=JSON, timeout=30).status_code == 413
+    chunked = httpx.post(f"{url}/chat/completions", content=iter([big[:15_000], big[15_000:]]), headers=JSON, timeout=30)
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
     assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
 
@@ -212,6 +218,276 @@ def test_a_request_cancelled_in_the_queue_gives_its_place_back():
             admission.admit()                                     # and a fourth none
         return admission.admitted
     assert anyio.run(scenario) == 2
+
+
+# ---- hardening: clients that leave, foreign pages and slow clients, malformed values (issue 43) --------------------
+
+def port_of(base_url: str) -> int:
+    return int(base_url.rsplit(":", 1)[1].split("/")[0])
+
+
+def raw_request(port: int, path: str, body: bytes, host: str | None = None) -> socket.socket:
+    "A socket that has sent one whole POST of `body` as JSON, its answer not read."
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+              % (path.encode(), (host or f"127.0.0.1:{port}").encode(), len(body), body))
+    return s
+
+
+def read_until_closed(s: socket.socket, seconds: float = 10) -> bytes:
+    "Everything the server sends until it closes the connection, within `seconds`."
+    s.settimeout(seconds)
+    data, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+class Slow(torch.nn.Module):
+    "A model whose every forward takes `delay` s more and is counted, so that a test can see decoding go on or stop."
+    def __init__(self, inner: torch.nn.Module, delay: float):
+        super().__init__()
+        self.inner, self.delay, self.calls = inner, delay, 0
+        self.config = inner.config
+
+    def init_cache(self, *args, **kwargs):
+        return self.inner.init_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.inner(*args, **kwargs)
+
+
+def wait_for(condition, seconds: float = 10) -> bool:
+    "Poll `condition` every 20 ms for at most `seconds`."
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_client_that_leaves_stops_its_reply_and_frees_the_slot(served):
+    slow = Slow(served.model, 0.05)                                # 64 steps: 3 s and more of decoding
+    web = app(ChatModel(slow, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=0, max_tokens=64))
+    with serving(web) as base_url:
+        body = json.dumps({"model": NAME, "messages": HELLO, "temperature": 0, "max_tokens": 64}).encode()
+        client = raw_request(port_of(base_url), "/v1/chat/completions", body)
+        assert wait_for(lambda: slow.calls >= 3), "the reply never started decoding"
+        client.close()                                              # the client leaves, its reply not read
+        at_leaving = slow.calls
+        assert wait_for(lambda: web.state.admission.admitted == 0, 5), "the slot was not given back"
+        time.sleep(0.5)
+        assert slow.calls - at_leaving <= 4, f"{slow.calls - at_leaving} more steps decoded for nobody"
+        t0 = time.monotonic()
+        assert chat(base_url, temperature=0, max_tokens=2).status_code == 200
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_client_that_leaves_a_stream_stops_it_and_frees_the_slot(served):
+    slow = Slow(served.model, 0.05)
+    web = app(ChatModel(slow, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=0, max_tokens=64))
+    with serving(web) as base_url:
+        body = json.dumps({"model": NAME, "messages": HELLO, "temperature": 0, "max_tokens": 64, "stream": True}).encode()
+        client = raw_request(port_of(base_url), "/v1/chat/completions", body)
+        assert client.recv(4096).startswith(b"HTTP/1.1 200") and wait_for(lambda: slow.calls >= 3)
+        client.close()
+        at_leaving = slow.calls
+        assert wait_for(lambda: web.state.admission.admitted == 0, 5), "the slot was not given back"
+        time.sleep(0.5)
+        assert slow.calls - at_leaving <= 4, f"{slow.calls - at_leaving} more steps decoded for nobody"
+
+def test_a_client_that_leaves_the_queue_gives_its_place_back(served):
+    gated = Gated(served.model)
+    web = app(ChatModel(gated, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_queue=1, max_tokens=8))
+    with serving(web) as base_url:
+        try:
+            first = ThreadPoolExecutor(1).submit(chat, base_url, temperature=0, max_tokens=2)
+            assert gated.started.wait(30), "the first request never reached the model"
+            body = json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 2}).encode()
+            queued = raw_request(port_of(base_url), "/v1/chat/completions", body)
+            assert wait_for(lambda: web.state.admission.admitted == 2), "the second request was not queued"
+            queued.close()                                          # it leaves while it waits for the slot
+            assert wait_for(lambda: web.state.admission.admitted == 1, 5), "the place in the queue stayed taken"
+        finally:
+            gated.go.set()
+        assert first.result(30).status_code == 200 and wait_for(lambda: web.state.admission.admitted == 0, 5)
+
+
+def test_a_stream_abandoned_before_its_first_chunk_gives_its_slot_back(served):
+    "The client leaves while the response head is written: the events never start, the slot must still come back."
+    web = app(served, ServeConfig(max_concurrency=1, max_queue=0, max_tokens=8))
+    body = json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 4, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "",
+             "query_string": b"", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def scenario():
+        left, sent, messages = anyio.Event(), [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message["type"])
+            if message["type"] == "http.response.start":
+                left.set()                                       # the client leaves ...
+                await anyio.sleep(10)                            # ... while the head is still being written
+
+        with anyio.fail_after(20):
+            await web(scope, receive, send)
+        return sent, web.state.admission.admitted, web.state.admission.slots.value
+
+    assert anyio.run(scenario) == (["http.response.start"], 0, 1)
+
+
+def test_a_post_that_is_not_json_is_415(url):
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": kind} if kind else {}
+        r = httpx.post(f"{url}/chat/completions", content=json.dumps({"model": NAME, "messages": HELLO}),
+                       headers=headers, timeout=30)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+    assert chat(url, max_tokens=1).status_code == 200                      # application/json; charset=... is fine
+
+
+def test_a_host_header_that_is_not_this_server_is_refused(url):
+    port, root = port_of(url), url.removesuffix("/v1")
+    for host, status in ((f"rebound.example:{port}", 421), (f"127.0.0.1:{port + 1}", 421), ("localhost", 421),
+                         (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200)):
+        r = httpx.get(f"{root}/health", headers={"host": host}, timeout=5)
+        assert r.status_code == status, (host, r.text)
+        assert status == 200 or r.json()["error"]["code"] == "misdirected_request"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:      # HTTP/1.0 may leave Host out; we may not
+        s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        answer = read_until_closed(s, 5)
+    assert answer.startswith(b"HTTP/1.1 400") and json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_host"
+
+
+def test_an_api_key_is_required_when_one_is_set(served):
+    with serving(app(served, ServeConfig(api_key="sekrit", max_tokens=4))) as base_url:
+        for auth in (None, "Bearer wrong", "sekrit", "Bearer sekrit2"):
+            r = httpx.get(f"{base_url}/models", headers={"authorization": auth} if auth else {}, timeout=5)
+            error = r.json()["error"]
+            assert (r.status_code, error["code"], error["type"]) == (401, "invalid_api_key", "invalid_request_error")
+            assert r.headers["www-authenticate"] == "Bearer"
+        key = {"authorization": "Bearer sekrit"}
+        assert httpx.get(f"{base_url}/models", headers=key, timeout=5).json()["data"][0]["id"] == NAME
+        r = httpx.post(f"{base_url}/chat/completions", json={"model": NAME, "messages": HELLO, "max_tokens": 2},
+                       headers=key, timeout=30)
+        assert r.status_code == 200
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200   # no key needed
+
+
+def test_a_body_that_drips_is_cut_off_with_408(served):
+    with serving(app(served, ServeConfig(body_timeout_s=1.0))) as base_url:
+        port = port_of(base_url)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{" % port)
+            t0, answered = time.monotonic(), False
+            for _ in range(40):                                          # a byte every 0.25 s, 10 s at most
+                if select.select([s], [], [], 0.25)[0]:
+                    answered = True
+                    break
+                s.sendall(b" ")
+            answer, elapsed = read_until_closed(s, 5), time.monotonic() - t0
+        assert answered and elapsed < 4, f"no answer {elapsed:.1f} s into a dripping body"
+        assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower()
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+
+
+def closed(s: socket.socket) -> bool:
+    "Whether the server has closed `s` (it sends nothing else to a request head that never ends)."
+    if not select.select([s], [], [], 0)[0]:
+        return False
+    try:
+        return s.recv(1) == b""
+    except OSError:
+        return True
+
+
+def _drip(s: socket.socket) -> bool:
+    try:
+        s.sendall(b"X-Drip: 1\r\n")
+        return True
+    except OSError:
+        return False
+
+
+def test_dripping_request_heads_are_cut_off_and_health_answers(served):
+    "24 connections that send a header line every 0.2 s hold more than the 16 connections allowed: for a second only."
+    c = ServeConfig(head_timeout_s=1.0, max_connections=16)
+    with serving(app(served, c)) as base_url:
+        port, health = port_of(base_url), base_url.removesuffix("/v1") + "/health"
+        drips = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(24)]
+        try:
+            for s in drips:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            t0, cut, healthy = time.monotonic(), set(), None
+            while time.monotonic() - t0 < 10 and (len(cut) < len(drips) or healthy is None):
+                for i, s in enumerate(drips):
+                    if i not in cut and (closed(s) or not _drip(s)):
+                        cut.add(i)
+                if healthy is None:
+                    try:
+                        healthy = time.monotonic() - t0 if httpx.get(health, timeout=1).status_code == 200 else None
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.2)
+            elapsed = time.monotonic() - t0
+        finally:
+            for s in drips:
+                s.close()
+        assert len(cut) == len(drips), f"{len(drips) - len(cut)} dripping connections still open after {elapsed:.1f} s"
+        assert healthy is not None and healthy < c.head_timeout_s + 3, f"/health unanswered for {healthy or elapsed:.1f} s"
+
+
+BAD_VALUES = [  # (route, raw body, error param)
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": '
+     + b"9" * 5000 + b"}", None),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "seed": 2**64}).encode(), "seed"),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "seed": -2**70}).encode(), "seed"),
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}', "messages"),
+    ("completions", b'{"model": "openpretrain", "prompt": "\\udfff"}', "prompt"),
+    ("chat/completions", b"[" * 100_000 + b"]" * 100_000, None),
+    ("chat/completions", json.dumps({"model": NAME, "messages": HELLO, "max_tokens": 1}).encode()[:-1]
+     + b', "metadata": ' + b"[" * 200 + b"]" * 200 + b"}", "metadata"),      # deep in a field we ignore
+    ("chat/completions", b'{"model": "openpretrain", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', None),
+]
+
+
+@pytest.fixture(scope="module")
+def roomy_url(served):
+    "Our server with the default 1 MiB body bound, which a body nested 100,000 deep fits."
+    with serving(app(served, ServeConfig(max_tokens=64))) as base_url:
+        yield base_url
+
+
+@pytest.mark.parametrize("route,body,param", BAD_VALUES,
+                         ids=["5000-digits", "seed-2^64", "seed--2^70", "escaped-surrogate", "raw-surrogate",
+                              "prompt-surrogate", "nested-100000", "nested-200", "NaN"])
+def test_a_malformed_value_is_a_400_not_a_500(roomy_url, route, body, param):
+    url = roomy_url
+    r = httpx.post(f"{url}/{route}", content=body, headers=JSON, timeout=30)
+    assert r.status_code == 400, r.text[:200]
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param) and error["message"]
+    assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
 
 
 # ---- the client, against a fake server ---------------------------------------------------------------------------
@@ -343,7 +619,7 @@ def test_lm_evals_local_chat_completions_generates_against_our_server(url):
 
 
 def test_serve_refuses_a_missing_checkpoint_in_one_line(capsys, tmp_path):
-    assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere"), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("openpretrain serve: ") and "no such checkpoint folder" in err and err.count("\n") == 1
 
@@ -356,3 +632,58 @@ def test_serving_stops_its_server_even_after_an_error(served):
             raise RuntimeError("inside")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+BAD_FLAGS = [  # (flags, what the one line says)
+    (["--port", "{busy}"], "Address already in use"),
+    (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1"),
+    (["--name", ""], "serve.name: must be a non-empty"),
+    (["--max-tokens", str(10**23)], "serve.max_tokens"),
+    (["--max-tokens", "10^23"], "argument --max-tokens: invalid int value"),
+    (["--api-key", ""], "serve.api_key"),
+]
+
+
+@pytest.mark.parametrize("flags,says", BAD_FLAGS, ids=["port-in-use", "bad-host", "empty-name", "max-tokens-1e23",
+                                                      "max-tokens-not-int", "empty-api-key"])
+def test_serve_refuses_a_bad_flag_in_one_line(capsys, tmp_path, flags, says):
+    with socket.socket() as busy:                              # a port another server listens on
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        flags = [f.format(busy=busy.getsockname()[1]) for f in flags]
+        assert cli(["serve", "--checkpoint", str(tmp_path / "nowhere"), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openpretrain serve: ") and says in err and err.count("\n") == 1, err
+
+
+def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_environment(checkpoint):
+    env = {**os.environ, "OPENPRETRAIN_API_KEY": "sekrit"}
+    proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "serve", "--checkpoint", str(checkpoint), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put("")], daemon=True).start()   # "": it ended
+    try:
+        announced = None
+        for _ in range(50):                                    # the announcement is among the first lines
+            line = lines.get(timeout=60)
+            if not line or (announced := re.search(r"^openpretrain serve: \S+ on http://127\.0\.0\.1:(\d+)/v1", line)):
+                break
+        assert announced and int(announced[1]) != 0 and "API key required" in line, "serve announced no port"
+        base_url = f"http://127.0.0.1:{int(announced[1])}/v1"
+        assert wait_for(lambda: _up(base_url), 60), f"nothing answers at {base_url}"
+        assert httpx.get(f"{base_url}/models", timeout=5).status_code == 401
+        assert httpx.get(f"{base_url}/models", headers={"authorization": "Bearer sekrit"}, timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _up(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -9,20 +9,26 @@ request with an OpenAI-shaped 4xx. Reads a verified checkpoint and its chat toke
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
+import os
+import re
+import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import anyio
 import torch
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,15 +44,16 @@ __all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', '
 
 # %% ../../../nbs/17a_server.ipynb #08199514
 class BadRequest(Exception):
-    "A request refused with `status` and an OpenAI-shaped error body."
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    "A request refused with `status` and an OpenAI-shaped error body (and any response `headers`)."
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 @dataclass(frozen=True)
 class Sampling:
@@ -66,6 +73,13 @@ def _number(body: dict, key: str, default, kind=(int, float)):
     if isinstance(value, bool) or not isinstance(value, kind):
         raise BadRequest(400, f"'{key}' must be a {'integer' if kind is int else 'number'}, got {value!r}", key)
     return value
+
+def _seed(body: dict) -> int | None:
+    "The request's seed, within the signed 64-bit range vLLM accepts and torch's generator takes."
+    seed = _number(body, "seed", None, int)
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise BadRequest(400, f"'seed' must be in [-2**63, 2**63 - 1], got {seed}", "seed")
+    return seed
 
 # %% ../../../nbs/17a_server.ipynb #572db4e9
 def sampling(body: dict, cap: int, chat: bool) -> Sampling:
@@ -92,8 +106,8 @@ def sampling(body: dict, cap: int, chat: bool) -> Sampling:
     top = _number(body, "top_logprobs", 0, int)
     if not 0 <= top <= 20 or (top and not flags["logprobs"]):
         raise BadRequest(400, f"'top_logprobs' must be in [0, 20] and needs 'logprobs': true, got {top}", "top_logprobs")
-    return Sampling(max_tokens, float(temperature), float(top_p), _number(body, "seed", None, int), tuple(stop),
-                    flags["stream"], flags["logprobs"], top)
+    return Sampling(max_tokens, float(temperature), float(top_p), _seed(body), tuple(stop), flags["stream"],
+                    flags["logprobs"], top)
 
 # %% ../../../nbs/17a_server.ipynb #816c10ef
 def _token(tokenizer, i: int, logprob: float) -> dict:
@@ -152,26 +166,122 @@ class ServeConfig:
     host: str = "127.0.0.1"                 # bind address (loopback: nothing off this machine reaches it)
     port: int = bounded(8000, 0, 65535)     # 0: any free port
     name: str = "openpretrain"              # the model name /v1/models lists and requests must send (vLLM: its path)
-    max_body_bytes: int = bounded(1 << 20, 1)   # larger request bodies → 413
-    max_tokens: int = bounded(512, 1)       # cap on a request's max_tokens (above → 400) and the default
-    max_concurrency: int = bounded(1, 1)    # replies decoded at once (each uses every core torch is given)
-    max_queue: int = bounded(16, 0)         # requests waiting for a slot; one more → 503
+    max_body_bytes: int = bounded(1 << 20, 1, 1 << 30)   # larger request bodies → 413
+    max_tokens: int = bounded(512, 1, 1 << 20)       # cap on a request's max_tokens (above → 400) and the default
+    max_concurrency: int = bounded(1, 1, 256)        # replies decoded at once (each uses every core torch is given)
+    max_queue: int = bounded(16, 0, 4096)            # requests waiting for a slot; one more → 503
+    api_key: str | None = field(default=None, repr=False)   # every route but /health needs `Authorization: Bearer <key>`
+    hosts: tuple[str, ...] = ()             # host names a Host header may give besides localhost and the bound address
+    max_connections: int = bounded(64, 2, 65536)     # uvicorn's limit_concurrency: beyond it, its plain 503
+    head_timeout_s: float = bounded(10.0, 0.1, 3600)  # a request head (line and headers) not in by then: closed
+    body_timeout_s: float = bounded(30.0, 0.1, 3600)  # a body not in this long after its head → 408
+    keep_alive_s: float = bounded(5.0, 0.1, 3600)    # an idle keep-alive connection is closed after this
+    max_head_bytes: int = bounded(16 << 10, 1 << 10, 1 << 20)   # h11's bound on a request head → 400
 
-async def _body(request: Request, limit: int) -> dict:
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large")
+    def __post_init__(self):
+        for key, value in (("name", self.name), ("api_key", self.api_key), *(("hosts", h) for h in self.hosts)):
+            if value is not None and not (value.strip() and value.isprintable()):
+                shown = "" if key == "api_key" else f", got {value!r}"
+                raise ConfigError(f"serve.{key}: must be a non-empty printable string{shown}", f"serve.{key}")
+
+# %% ../../../nbs/17a_server.ipynb #d747dfc4
+_DIGITS, _DEPTH = 32, 64
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > _DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {_DIGITS})")
+    return int(text)
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+def _walk(body: dict) -> None:
+    "BadRequest 400, naming the top-level field, for nesting deeper than _DEPTH or a string that is not UTF-8."
+    todo = [(v, 2, k) for k, v in body.items()] + [(k, 1, k) for k in body]
+    while todo:
+        value, depth, top = todo.pop()
+        if depth > _DEPTH:
+            raise BadRequest(400, f"the body nests deeper than {_DEPTH} levels", top)
+        if isinstance(value, dict):
+            todo += [(k, depth, top) for k in value] + [(v, depth + 1, top) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(v, depth + 1, top) for v in value]
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise BadRequest(400, "a string is not valid Unicode text (a lone surrogate)", top) from None
+
+def _parse(raw: bytes) -> dict:
+    "The body's JSON object, parsed defensively; BadRequest 400 for anything else."
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(400, f"the body is not JSON ({e})") from None
+        body = json.loads(raw, parse_int=_int, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:             # JSONDecodeError, UnicodeDecodeError, long ints, deep nesting
+        raise BadRequest(400, f"the body is not JSON we accept ({e})") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "the body must be a JSON object")
+    _walk(body)
     return body
+
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(413, f"request body over {limit:,} bytes", code="request_too_large", headers={"connection": "close"})
+
+async def _body(request: Request, c: ServeConfig) -> dict:
+    "The request's JSON object: sent as application/json (415), within max_body_bytes (413) and body_timeout_s (408)."
+    kind = request.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise BadRequest(415, f"Content-Type must be application/json, got {kind!r}", code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > c.max_body_bytes):
+        raise _too_large(c.max_body_bytes)
+    raw = bytearray()
+    try:
+        with anyio.fail_after(c.body_timeout_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > c.max_body_bytes:
+                    raise _too_large(c.max_body_bytes)
+    except TimeoutError:
+        raise BadRequest(408, f"the request body did not arrive within {c.body_timeout_s:g} s", code="request_timeout",
+                         headers={"connection": "close"}) from None
+    return _parse(bytes(raw))
+
+# %% ../../../nbs/17a_server.ipynb #65bdafe4
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::([0-9]{1,5}))?", re.IGNORECASE)
+
+def _host(headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+    "The (lower-case name, port) of a request's one Host header (port 80 if it gives none); BadRequest 400 otherwise."
+    given = [v for k, v in headers if k == b"host"]
+    m = _HOST.fullmatch(given[0].decode("latin-1")) if len(given) == 1 else None
+    if m is None:
+        raise BadRequest(400, "a request needs exactly one well-formed Host header", code="invalid_host")
+    return m[1].strip("[]").lower(), int(m[2] or 80)
+
+class _Guard:
+    "ASGI middleware in front of every route: a Host that names this server (421), and the API key if one is set (401)."
+    def __init__(self, app, c: ServeConfig):
+        self.app, self.names = app, {*_LOOPBACK, c.host.lower(), *(h.lower() for h in c.hosts)}
+        self.key = None if c.api_key is None else hashlib.sha256(f"Bearer {c.api_key}".encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        try:
+            if scope["type"] == "http":
+                self.check(scope)
+        except BadRequest as e:
+            return await e.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def check(self, scope) -> None:
+        name, port = _host(scope["headers"])
+        here, there = scope.get("server") or (None, None)              # the address the connection arrived on
+        if (name not in self.names and name != here) or (there is not None and port != there):
+            raise BadRequest(421, f"the Host header names {name}:{port}, which is not this server", code="misdirected_request")
+        if self.key is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), self.key):
+                raise BadRequest(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 # %% ../../../nbs/17a_server.ipynb #87d85bd7
 class Admission:
@@ -228,31 +338,62 @@ def _answer(head: dict, prompt: int, done: list, s: Sampling, chat: bool) -> JSO
     return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                          "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}})
 
-async def _released(steps, admission: Admission):
-    "The reply's steps; its slot and place are given back when they end, fail or are abandoned."
-    try:
-        async for step in steps:
-            yield step
-    finally:
-        admission.release()
+async def _unless_gone(request: Request, work) -> tuple[bool, object]:
+    "(True, `await work()`), or (False, None) with `work` cancelled once the client has disconnected."
+    out = []
+    async with anyio.create_task_group() as tg:
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":   # the body is read: only the disconnect is left
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        out.append(await work())
+        tg.cancel_scope.cancel()
+    return (True, out[0]) if out else (False, None)
+
+class _Streamed(StreamingResponse):
+    "Server-sent events that give the reply's slot back once sent, failed or cancelled, even if they never started."
+    def __init__(self, events, release):
+        super().__init__(events, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+async def _collected(steps) -> list:
+    return [step async for step in steps]
+
+def _left() -> JSONResponse:
+    return BadRequest(499, "the client closed the connection", code="client_closed_request").response()
+
+async def _checked(request: Request, served: ChatModel, c: ServeConfig, chat: bool):
+    "The request's Sampling, prompt ids and end id; BadRequest for the first thing wrong with it."
+    body = await _body(request, c)
+    return sampling(body, c.max_tokens, chat), *_prompt(served, body, chat)
 
 async def complete(request: Request, chat: bool) -> Response:
     "POST /v1/chat/completions (`chat`) or /v1/completions: every check, a place, a slot, then the reply."
     served, c, admission = request.app.state.served, request.app.state.config, request.app.state.admission
     try:
-        body = await _body(request, c.max_body_bytes)
-        s = sampling(body, c.max_tokens, chat)
-        ids, end = _prompt(served, body, chat)
+        s, ids, end = await _checked(request, served, c, chat)
         admission.admit()
     except BadRequest as e:
         return e.response()
+    if not (await _unless_gone(request, admission.acquire))[0]:
+        return _left()                                                # it left the queue; acquire gave its place back
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": served.name}
-    await admission.acquire()
-    steps = _released(iterate_in_threadpool(reply_steps(served, ids, s, end)), admission)
+    steps = iterate_in_threadpool(reply_steps(served, ids, s, end))
     if s.stream:
-        return StreamingResponse(_events(steps, head, chat), media_type="text/event-stream")
-    return _answer(head, len(ids), [step async for step in steps], s, chat)
+        return _Streamed(_events(steps, head, chat), admission.release)
+    try:
+        whole, done = await _unless_gone(request, partial(_collected, steps))
+    finally:
+        admission.release()
+    return _answer(head, len(ids), done, s, chat) if whole else _left()
 
 async def models(request: Request) -> JSONResponse:
     "GET /v1/models: the one model served, with its context."
@@ -276,50 +417,135 @@ def app(served: ChatModel, c: ServeConfig | None = None) -> Starlette:
     web = Starlette(routes=[Route("/v1/chat/completions", partial(complete, chat=True), methods=["POST"]),
                             Route("/v1/completions", partial(complete, chat=False), methods=["POST"]),
                             Route("/v1/models", models), Route("/health", health)],
-                    exception_handlers={404: not_found, 405: not_found})
+                    exception_handlers={404: not_found, 405: not_found}, middleware=[Middleware(_Guard, c=c)])
     web.state.served, web.state.config, web.state.admission = served, c, Admission(c.max_concurrency, c.max_queue)
     return web
 
 # %% ../../../nbs/17a_server.ipynb #0831c3f6
+def _protocol(head_timeout: float) -> type:
+    "uvicorn's h11 protocol, closing a connection whose request head is not in `head_timeout` s after it began."
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimed(H11Protocol):
+        timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.watch()
+
+        def data_received(self, data: bytes):
+            super().data_received(data)
+            self.watch()
+
+        def connection_lost(self, exc):
+            super().connection_lost(exc)
+            self.watch()
+
+        def watch(self) -> None:
+            "Arm the deadline while a head is awaited, disarm it once the head is in or the connection closes."
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if waiting and self.timer is None:
+                self.timer = self.loop.call_later(head_timeout, self.expire)
+            elif not waiting and self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+
+        def expire(self) -> None:
+            self.timer = None
+            if self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return HeadTimed
+
+# %% ../../../nbs/17a_server.ipynb #c16de524
+def _listen(host: str, port: int) -> socket.socket:
+    "A socket bound to host:port (0: a free port) for uvicorn to listen on; OSError of one line if it cannot be had."
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, ValueError) as e:                       # gaierror: no such host; ValueError: not a host name
+        raise OSError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+def _server(asgi, log_level: str):
+    "A uvicorn server for `asgi` within the bounds of its ServeConfig (the defaults for another app)."
+    import uvicorn
+    c = getattr(getattr(asgi, "state", None), "config", None) or ServeConfig()
+    return uvicorn.Server(uvicorn.Config(asgi, http=_protocol(c.head_timeout_s), lifespan="off", log_level=log_level,
+                                         limit_concurrency=c.max_connections, timeout_keep_alive=c.keep_alive_s,
+                                         h11_max_incomplete_event_size=c.max_head_bytes, timeout_graceful_shutdown=5))
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
 @contextmanager
 def serving(asgi, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     "Run `asgi` under uvicorn in a thread; yields its base URL (…/v1) and stops it on exit, even after an error."
-    import uvicorn
-    server = uvicorn.Server(uvicorn.Config(asgi, host=host, port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = _listen(host, port)
+    server = _server(asgi, "warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 30
         while not server.started:
-            if not thread.is_alive():
+            if not thread.is_alive() or time.monotonic() > deadline:
                 raise OSError(f"the server could not start on {host}:{port}")
             time.sleep(0.01)
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://{host}:{bound}/v1"
+        yield _url(host, sock.getsockname()[1])
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 # %% ../../../nbs/17a_server.ipynb #b0951de0
-def main(argv: list[str] | None = None) -> int:
-    "`openpretrain serve --checkpoint DIR [--tokenizer FILE] [--host H] [--port N]`; a server that cannot start: one line, exit 2."
+class _Flags(argparse.ArgumentParser):
+    "argparse whose usage errors are ConfigError: one line and exit 2, like every other refusal of `serve`."
+    def error(self, message: str):
+        raise ConfigError(message)
+
+def _flags() -> argparse.ArgumentParser:
     d = ServeConfig()
-    ap = argparse.ArgumentParser(prog="openpretrain serve", description="an OpenAI-compatible server for a chat checkpoint")
+    ap = _Flags(prog="openpretrain serve", description="an OpenAI-compatible server for a chat checkpoint")
     ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N)")
     ap.add_argument("--tokenizer", help="its chat tokenizer.json (default: the nearest one in the folders above it)")
     ap.add_argument("--host", default=d.host)
-    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--port", type=int, default=d.port, help="0: any free port (the one bound is announced)")
     ap.add_argument("--name", default=d.name, help="the model name requests send")
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on a request's max_tokens")
     ap.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="replies decoded at once")
-    args = ap.parse_args(argv)
+    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $OPENPRETRAIN_API_KEY, else none)")
+    ap.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="a host name the Host header may give besides localhost and --host (repeatable)")
+    return ap
+
+def _config(args: argparse.Namespace) -> ServeConfig:
+    "The flags' ServeConfig; the API key from --api-key, else OPENPRETRAIN_API_KEY (unset or empty: none)."
+    key = args.api_key if args.api_key is not None else os.environ.get("OPENPRETRAIN_API_KEY") or None
+    return from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name, "max_tokens": args.max_tokens,
+                                   "max_concurrency": args.max_concurrency, "api_key": key,
+                                   "hosts": args.allowed_host}, "serve")
+
+def main(argv: list[str] | None = None) -> int:
+    "`openpretrain serve --checkpoint DIR [--host H] [--port N] [--api-key K] …`; a server that cannot start: one line, exit 2."
+    sock = None
     try:
-        c = from_dict(ServeConfig, {"host": args.host, "port": args.port, "name": args.name,
-                                    "max_tokens": args.max_tokens, "max_concurrency": args.max_concurrency}, "serve")
+        args = _flags().parse_args(argv)
+        c = _config(args)
+        sock = _listen(c.host, c.port)                                  # before the model: a taken port fails at once
         served = ChatModel.load(args.checkpoint, args.tokenizer, name=c.name)
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
-        print(f"openpretrain serve: {e}", file=sys.stderr)
+        if sock is not None:
+            sock.close()
+        print(f"openpretrain serve: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    import uvicorn
-    print(f"openpretrain serve: {served.name} on http://{c.host}:{c.port}/v1", file=sys.stderr)
-    uvicorn.run(app(served, c), host=c.host, port=c.port, log_level="info")
+    print(f"openpretrain serve: {served.name} on {_url(c.host, sock.getsockname()[1])}"
+          f"{' (API key required)' if c.api_key else ''}", file=sys.stderr)
+    _server(app(served, c), "info").run(sockets=[sock])
     return 0
