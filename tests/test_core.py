@@ -485,3 +485,15 @@ def test_a_damaged_tolerance_file_fails_the_check_in_one_line_naming_it(tmp_path
                  runs={"11_train": {"numerics": {"aten": "AVX2"}}})
     with pytest.raises(ConfigError, match="11_train-paper-vs-ours.tolerance.json: not a tolerance"):
         compare_manifests(committed, fresh, dirs=(tmp_path / "old", tmp_path / "new"))
+
+
+def test_a_latin1_settings_file_is_one_config_error_and_exit_2(tmp_path, capsys):
+    from openpretrain.__main__ import main
+    ini = tmp_path / "settings.ini"
+    ini.write_bytes("[report]\n# préréglage\npreset = tiny\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"settings.ini: not UTF-8 \(byte 13\)"):
+        read_settings(ini)
+    assert main(["report", "--settings", str(ini), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("openpretrain report: ") and "not UTF-8" in err
+
