@@ -497,3 +497,23 @@ def test_a_latin1_settings_file_is_one_config_error_and_exit_2(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("openpretrain report: ") and "not UTF-8" in err
 
+
+@pytest.mark.parametrize("where", ["a regular file", "under a regular file", "under /proc"])
+def test_a_compliance_output_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys, where):
+    from openpretrain.__main__ import main
+    (tmp_path / "file").write_text("not a folder")
+    out = {"a regular file": tmp_path / "file", "under a regular file": tmp_path / "file" / "compliance",
+           "under /proc": Path("/proc/openpretrain-compliance")}[where]
+    assert main(["compliance", "--preset", "tiny", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"openpretrain compliance: --output-dir {out}: ")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_presets_under_a_root_that_is_no_checkout_is_one_line_naming_it_and_exit_2(tmp_path, capsys, monkeypatch):
+    from openpretrain.__main__ import main
+    for root in (tmp_path / "nonexistent", tmp_path):                  # no folder; a folder without configs/
+        monkeypatch.setenv("OPENPRETRAIN_ROOT", str(root))
+        assert main(["presets"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and f"{root} is not an openpretrain checkout" in err
