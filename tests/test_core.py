@@ -260,10 +260,11 @@ def test_cli_compliance_runs_a_preset_file_under_the_preset_name(tmp_path, monke
     from openpretrain.__main__ import main
     seen = {}
     monkeypatch.setattr(pipeline, "run_compliance", lambda **kw: seen.update(kw))
+    monkeypatch.setenv("OPENPRETRAIN_OUTPUTS", str(tmp_path / "outputs"))   # the output folder is made (and probed) first
     path = tmp_path / "mine.yaml"
     path.write_text("preset: mine\n")
     assert main(["compliance", "--preset", str(path)]) == 0
-    assert seen["output_dir"].parts[-2:] == ("mine", "compliance")
+    assert seen["output_dir"] == tmp_path / "outputs" / "mine" / "compliance" and seen["output_dir"].is_dir()
     assert seen["preset"].name == "mine" and seen["preset"].path == path     # the file, read once and passed on
 
 
