@@ -260,10 +260,11 @@ def test_cli_compliance_runs_a_preset_file_under_the_preset_name(tmp_path, monke
     from openpretrain.__main__ import main
     seen = {}
     monkeypatch.setattr(pipeline, "run_compliance", lambda **kw: seen.update(kw))
+    monkeypatch.setenv("OPENPRETRAIN_OUTPUTS", str(tmp_path / "outputs"))   # the output folder is made (and probed) first
     path = tmp_path / "mine.yaml"
     path.write_text("preset: mine\n")
     assert main(["compliance", "--preset", str(path)]) == 0
-    assert seen["output_dir"].parts[-2:] == ("mine", "compliance")
+    assert seen["output_dir"] == tmp_path / "outputs" / "mine" / "compliance" and seen["output_dir"].is_dir()
     assert seen["preset"].name == "mine" and seen["preset"].path == path     # the file, read once and passed on
 
 
@@ -485,3 +486,35 @@ def test_a_damaged_tolerance_file_fails_the_check_in_one_line_naming_it(tmp_path
                  runs={"11_train": {"numerics": {"aten": "AVX2"}}})
     with pytest.raises(ConfigError, match="11_train-paper-vs-ours.tolerance.json: not a tolerance"):
         compare_manifests(committed, fresh, dirs=(tmp_path / "old", tmp_path / "new"))
+
+
+def test_a_latin1_settings_file_is_one_config_error_and_exit_2(tmp_path, capsys):
+    from openpretrain.__main__ import main
+    ini = tmp_path / "settings.ini"
+    ini.write_bytes("[report]\n# préréglage\npreset = tiny\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"settings.ini: not UTF-8 \(byte 13\)"):
+        read_settings(ini)
+    assert main(["report", "--settings", str(ini), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("openpretrain report: ") and "not UTF-8" in err
+
+
+@pytest.mark.parametrize("where", ["a regular file", "under a regular file", "under /proc"])
+def test_a_compliance_output_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys, where):
+    from openpretrain.__main__ import main
+    (tmp_path / "file").write_text("not a folder")
+    out = {"a regular file": tmp_path / "file", "under a regular file": tmp_path / "file" / "compliance",
+           "under /proc": Path("/proc/openpretrain-compliance")}[where]
+    assert main(["compliance", "--preset", "tiny", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"openpretrain compliance: --output-dir {out}: ")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_presets_under_a_root_that_is_no_checkout_is_one_line_naming_it_and_exit_2(tmp_path, capsys, monkeypatch):
+    from openpretrain.__main__ import main
+    for root in (tmp_path / "nonexistent", tmp_path):                  # no folder; a folder without configs/
+        monkeypatch.setenv("OPENPRETRAIN_ROOT", str(root))
+        assert main(["presets"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and f"{root} is not an openpretrain checkout" in err

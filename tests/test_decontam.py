@@ -138,3 +138,73 @@ def test_the_filter_removes_records_and_fails_closed_on_a_document_without_turns
     assert set(kept) == {"clean"} and set(removed) == {"copy"} and set(errors) == {"broken"}
     assert removed["copy"]["decontamination_benchmark"] == "b" and removed["copy"]["decontamination_ratio"] > 0.9
     assert kept["clean"]["decontamination_decision"] == "kept"
+
+
+BENCH = {"b": "All human beings are born free and equal in dignity and rights, endowed with reason and conscience."}
+
+
+@pytest.mark.parametrize("prompts", [{}, [], None])
+def test_an_empty_benchmark_is_refused_not_an_index_that_flags_nothing(tok, prompts):
+    with pytest.raises(ValueError, match="empty benchmark flags nothing"):
+        benchmark_index(prompts, tok)
+    with pytest.raises(ValueError, match="empty index flags nothing"):
+        BenchmarkIndex({})
+
+
+@pytest.mark.parametrize("prompt, why", [(None, "'q': expected text, got NoneType"), (42, "'q': expected text, got int"),
+                                         ("a\ud800b", "'q': not valid text"), ("  \n", "'q' is empty")])
+def test_a_benchmark_prompt_that_is_not_text_is_a_value_error_naming_it(tok, prompt, why):
+    with pytest.raises(ValueError, match=why):
+        benchmark_index({**BENCH, "q": prompt}, tok)
+
+
+@pytest.mark.parametrize("messages, why", [
+    ([{"role": "user", "content": 42}], "turn 0 content: expected text, got int"),
+    ([{"role": "user", "content": "ok"}, {"role": "assistant", "content": None}], "turn 1 content: expected text"),
+    ([{"role": "user", "content": "x\udc80"}], "turn 0 content: not valid text"),
+    ([{"role": None, "content": "x"}], "turn 0 role: expected text"),
+    ([{"content": "x"}], r"turn 0: expected a \{role, content\} mapping"),
+    ("not a list", "expected a list of")])
+def test_a_turn_that_is_not_text_is_a_value_error_naming_the_turn(tok, messages, why):
+    index = benchmark_index(BENCH, tok)
+    with pytest.raises(ValueError, match=why):
+        conversation_match(index, tok, messages)
+
+
+def test_the_filter_names_the_document_whose_turn_is_not_text(tok):
+    from datatrove.data import Document
+    step = DecontaminationFilter(benchmark_index(BENCH, tok), tok)
+    doc = Document(text="x", id="doc-7", metadata={"messages": [{"role": "user", "content": 42}]})
+    with pytest.raises(ValueError, match="document doc-7: .*turn 0 content: expected text, got int"):
+        step.filter(doc)
+
+
+def test_a_benchmark_prompt_shorter_than_the_ngram_copied_verbatim_is_flagged(tok):
+    index = benchmark_index({**BENCH, "sum": "2+2=?"}, tok)
+    assert len(index.tokens[index.ids.index("sum")]) < index.config.ngram               # 6 ids with its BoS: no 8-gram
+    for copy in ("2+2=?", "  2+2=?\n"):                                                 # verbatim, re-spaced
+        m = conversation_match(index, tok, [{"role": "user", "content": "Hello."}, {"role": "user", "content": copy}])
+        assert (m.benchmark, m.ratio, m.turn) == ("sum", 1.0, 1)
+    assert conversation_match(index, tok, [{"role": "user", "content": "What is 2+3?"}]) is None
+    with pytest.raises(ValueError, match="'sum': 6 tokens, fewer than the 8-gram"):
+        BenchmarkIndex({k: encode(tok, t, DecontaminationConfig()) for k, t in {**BENCH, "sum": "2+2=?"}.items()})
+
+
+def test_repeated_ngrams_bound_the_anchor_pairs_per_turn_and_still_remove_the_copy(tok, monkeypatch):
+    import openpretrain.posttrain.decontam as dc
+    paired = []
+    def anchors(at, bench_grams):                      # count before pairing: the unbounded pairing never runs here
+        paired.append(n := sum(len(at.get(g, ())) for g in bench_grams))
+        assert n <= 50_000, f"{n:,} anchor pairs for one (turn, prompt) pair"
+        return original(at, bench_grams)
+    original = dc.anchors
+    monkeypatch.setattr(dc, "anchors", anchors)
+    table = "| --- " * 300 + "|"
+    index = benchmark_index({"table": table, **BENCH}, tok)
+    turn = "| --- " * 35_000 + "|"                                                   # 210 KB of the same separator
+    m = conversation_match(index, tok, [{"role": "user", "content": turn}])
+    assert m.benchmark == "table" and m.bound and m.ratio >= 0.5                     # removed: more removal, never a leak
+    short = conversation_match(index, tok, [{"role": "user", "content": "| --- " * 40 + "|"}])
+    assert short is None                                                              # a turn too short to hold half of it
+    prose = conversation_match(index, tok, [{"role": "user", "content": "Please: " + BENCH["b"]}])
+    assert prose.benchmark == "b" and not prose.bound                                 # real text: paired as before

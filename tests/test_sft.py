@@ -185,3 +185,23 @@ def test_the_cli_refuses_a_damaged_start_or_an_unknown_preset_in_one_line(tmp_pa
                         "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("openpretrain sft: ")
     assert not (tmp_path / "out").exists(), "nothing is written when the run cannot start"
+
+
+def test_a_batch_larger_than_the_rows_is_refused_naming_the_knob_before_anything_is_written(tmp_path):
+    convs = [chat(i) for i in range(48)]
+    rows = len(sft_rows(TOK, convs, 128).ids)
+    with pytest.raises(ConfigError, match=rf"sft.batch_size 1,000,000,000 is more than the {rows} rows") as e:
+        finetune(small_preset(batch_size=10**9), None, tmp_path / "out", convs, TOK)
+    assert e.value.field == "sft.batch_size" and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="sft.batch_size"):
+        finetune(small_preset(batch_size=rows + 1, epochs=4), None, tmp_path / "out", convs, TOK)   # epochs do not lift it
+
+
+def test_a_seq_len_beyond_the_models_context_is_refused_before_any_row_is_padded(tmp_path, monkeypatch):
+    import openpretrain.posttrain.sft as sft
+    def padded(*args, **kw):
+        raise AssertionError("rows were built: every one padded to sft.seq_len + 1 ids")
+    monkeypatch.setattr(sft, "sft_rows", padded)
+    with pytest.raises(ConfigError, match="sft.seq_len 1,000,000,000 exceeds the model's context 128") as e:
+        finetune(small_preset(seq_len=10**9), None, tmp_path / "out", [chat(0)], TOK)
+    assert e.value.field == "sft.seq_len" and not (tmp_path / "out").exists()

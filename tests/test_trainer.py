@@ -603,3 +603,48 @@ def test_a_run_resumed_with_another_start_checkpoint_is_refused_in_one_line(tmp_
     run(preset, tmp_path / "stage", 4, resume=True, init=start_a)                 # its own start resumes
     with pytest.raises(CheckpointError, match="started from random weights"):
         run(preset, tmp_path / "a", 4, resume=True, init=start_a)
+
+
+def test_a_resealed_nan_checkpoint_is_never_the_last_verified_one_and_resume_falls_back(tmp_path, capsys):
+    from safetensors.torch import save_file
+    preset = write_preset(tmp_path, checkpoint_every=2, keep_last=3)
+    reference = losses(run(preset, tmp_path / "run", 6))
+    root = tmp_path / "run" / "checkpoints"
+    newest = root / "step-00000006"
+    weights = load_file(str(newest / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(newest / "model.safetensors"))
+    reseal(newest)
+    assert verify_checkpoint(newest)["step"] == 6                                  # its hashes match
+    assert latest_valid_checkpoint(root).name == "step-00000004"                   # what a run names "last verified"
+    assert f"weight {name} holds NaN" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=f"weight {name} holds NaN"):
+        load_model(newest, model_config(load_preset(preset)))
+    assert losses(run(preset, tmp_path / "run", 6, resume=True)) == reference      # resumed from step 4
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("where", ["weight", "optimizer"])
+def test_load_and_restore_refuse_a_non_finite_tensor_naming_it(tmp_path, fmt, where):
+    from openpretrain.core import to_dict
+    from openpretrain.training.checkpoint import restore_state, save_checkpoint
+    config = model_config(load_preset(write_preset(tmp_path)))
+    model = registry.build_model(config, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 100, (1, 8))).float().square().mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        bad = model.embed_tokens.weight if where == "weight" else optimizer.state[model.embed_tokens.weight]["exp_avg"]
+        bad[0, 0] = float("inf")
+    loader = SimpleNamespace(state_dict=lambda: {"calls": 0}, load_state_dict=lambda d: None)
+    ckpt = save_checkpoint(tmp_path / "ckpts", model, optimizer, loader, 1, fmt, {"model": to_dict(config)})
+    named = "weight embed_tokens.weight" if where == "weight" else "optimizer tensor embed_tokens.weight::exp_avg"
+    fresh = registry.build_model(config, device="cpu")
+    with pytest.raises(CheckpointError, match=f"{named} holds NaN or infinite values"):
+        restore_state(ckpt, fresh, torch.optim.AdamW(fresh.parameters()), loader)
+    if where == "weight":
+        with pytest.raises(CheckpointError, match=f"{named} holds NaN or infinite values"):
+            load_model(ckpt, config)
+    else:
+        load_model(ckpt, config)                                                   # its weights are finite

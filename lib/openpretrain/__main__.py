@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
-from .core import ConfigError, list_presets, load_preset, outputs_root
+from .core import ConfigError, configs_dir, list_presets, load_preset, outputs_root, project_root
 from .pages import render_report
 from .report import ChapterFailed, check_report, read_settings, run_report
 
 # %% auto #0
-__all__ = ['parser', 'main']
+__all__ = ['writable_folder', 'parser', 'main']
 
 # %% ../../nbs/91_cli.ipynb #767daefb
 def _report(args) -> int:
@@ -42,12 +44,24 @@ def _report(args) -> int:
     print(f"report: {render_report(s.out_dir)}")  # the last line: the index a reader opens
     return 0
 
+def writable_folder(out: Path, flag: str = "--output-dir") -> Path:
+    "`out`, created, if a file can be written in it (a probe, made and removed); else a ConfigError naming it."
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{flag} {out}: exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {out}: cannot be written ({e.strerror or e})") from None
+    return out
+
 def _compliance(args) -> int:
     for flag in ("tasks", "workers"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     p = load_preset(args.preset)          # read once; a path to a preset file runs under the preset's own name
-    out = args.output_dir or outputs_root() / p.name / "compliance"
+    out = writable_folder(Path(args.output_dir) if args.output_dir else outputs_root() / p.name / "compliance")
     from openpretrain.compliance.pipeline import run_compliance  # heavy: only once flags and preset are good
     run_compliance(preset=p, tasks=args.tasks, workers=args.workers, output_dir=out)
     return 0
@@ -61,7 +75,10 @@ def _delegate(module: str):
     return run
 
 def _presets(args) -> int:
-    print("\n".join(list_presets()))
+    if not (names := list_presets()):
+        raise ConfigError(f"no presets in {configs_dir()}: {project_root()} is not an openpretrain checkout "
+                          "(set OPENPRETRAIN_ROOT to one)")
+    print("\n".join(names))
     return 0
 
 # %% ../../nbs/91_cli.ipynb #616254d5

@@ -66,10 +66,12 @@ def read_settings(path: str | Path | None = None) -> ReportSettings:
     path = Path(path) if path else project_root() / "settings.ini"
     cp = configparser.ConfigParser()
     try:
-        if not cp.read(path):
+        if not cp.read(path, encoding="utf-8"):
             raise ConfigError(f"cannot read report settings from {path}")
     except configparser.Error as e:                     # no section header, a duplicate key, a line it cannot parse
         raise ConfigError(f"{path}: not a settings file ({str(e).splitlines()[0]})") from None
+    except UnicodeDecodeError as e:                     # Latin-1 or binary: the locale's codec would decide otherwise
+        raise ConfigError(f"{path}: not UTF-8 (byte {e.start}); a settings file is UTF-8 text") from None
     if "report" not in cp:
         raise ConfigError(f"{path}: no [report] section")
     sec = cp["report"]

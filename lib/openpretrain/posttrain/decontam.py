@@ -41,9 +41,10 @@ class DecontaminationConfig:
             raise ConfigError(f"decontamination.turns: '{self.turns}' is not {' | '.join(TURNS)}")
 
 # %% auto #0
-__all__ = ['TURNS', 'HASH_BITS', 'DecontaminationConfig', 'ngrams', 'grams', 'positions', 'anchors', 'covered', 'block_tokens',
-           'matched_tokens', 'Match', 'gram_hashes', 'window_hashes', 'as_array', 'hash_table', 'BenchmarkIndex',
-           'encode', 'benchmark_index', 'best_match', 'matches', 'match', 'checked_turns', 'conversation_match',
+__all__ = ['TURNS', 'HASH_BITS', 'MAX_ANCHORS', 'DecontaminationConfig', 'ngrams', 'grams', 'positions', 'anchors', 'covered',
+           'spanned', 'block_tokens', 'matched_tokens', 'Match', 'gram_hashes', 'window_hashes', 'as_array',
+           'hash_table', 'BenchmarkIndex', 'short_prompts', 'encode', 'as_text', 'benchmark_index', 'best_match',
+           'pair_match', 'matches', 'match', 'checked_turns', 'valid_turns', 'conversation_match', 'short_matches',
            'DecontaminationFilter', 'normal_hash', 'exact_match']
 
 # %% ../../../nbs/15_decontamination.ipynb #17a5058b
@@ -69,7 +70,10 @@ def anchors(train_at: dict, bench_grams: list[tuple[int, ...]]) -> list[tuple[in
 
 def covered(pairs: list[tuple[int, int]], n: int) -> int:
     "Tokens of bench inside some anchor's n-gram: no block of ≥ n tokens covers more."
-    js = sorted({j for _, j in pairs})
+    return spanned(sorted({j for _, j in pairs}), n)
+
+def spanned(js: list[int], n: int) -> int:
+    "Tokens inside the n-grams that start at the sorted, distinct positions `js`."
     return sum(min(n, b - a) for a, b in zip(js, js[1:])) + (n if js else 0)
 
 def block_tokens(pairs: list[tuple[int, int]], la: int, lb: int, n: int) -> int:
@@ -101,6 +105,7 @@ class Match:
     ratio: float         # matched tokens / its tokens
     matched: int         # tokens covered by blocks of ≥ min_block
     turn: int = 0        # which checked turn of the conversation
+    bound: bool = False  # ratio and matched are an upper bound: the pair held more anchors than MAX_ANCHORS (removed all the same)
 
 HASH_BITS = 22                       # the prefilter's table: 2^22 flags, 4 MiB, mostly empty for ≤ 10^5 index n-grams
 
@@ -134,9 +139,13 @@ def hash_table(texts: list[list[int]], n: int) -> np.ndarray:
 # %% ../../../nbs/15_decontamination.ipynb #e5b4a2ef
 class BenchmarkIndex:
     "Benchmark prompts as token ids, the inverted index n-gram → the prompts holding it, and its hash table."
-    def __init__(self, tokens: dict[str, list[int]], config: DecontaminationConfig | None = None):
+    def __init__(self, tokens: dict[str, list[int]], config: DecontaminationConfig | None = None,
+                 texts: dict[str, str] | None = None):
         self.config = c = config or DecontaminationConfig()
+        if not tokens:
+            raise ValueError("no benchmark prompts: an empty index flags nothing")
         self.ids, self.tokens = list(tokens), list(tokens.values())
+        self.exact = short_prompts(self.ids, self.tokens, c.ngram, texts)   # normalised text → prompt, under n tokens
         self.blocks = [grams(t, c.min_block) for t in self.tokens]      # each prompt's min_block-grams, in order
         self.block_set = {g for b in self.blocks for g in b}
         self.index: dict[tuple, list[int]] = defaultdict(list)
@@ -170,29 +179,63 @@ class BenchmarkIndex:
                     at[gram].append(p)
         return at
 
+def short_prompts(ids: list, tokens: list[list[int]], n: int, texts: dict | None) -> dict[str, int]:
+    "normal_hash of each prompt shorter than `n` tokens → its position: matched by its text, as it holds no n-gram."
+    short = [i for i, t in enumerate(tokens) if len(t) < n]
+    if short and texts is None:
+        raise ValueError(f"benchmark prompt {ids[short[0]]!r}: {len(tokens[short[0]])} tokens, fewer than the {n}-gram; "
+                         "build the index with benchmark_index, which matches it by its text")
+    return {normal_hash(texts[ids[i]]): i for i in short}
+
 # %% ../../../nbs/15_decontamination.ipynb #af295926
 def encode(tokenizer, text: str, config: DecontaminationConfig) -> list[int]:
     "A text's token ids as the rule sees them: the training tokenizer's, with its BoS in front if `special_tokens`."
     ids = tokenizer.encode(text)
     return [tokenizer.bos_id, *ids] if config.special_tokens else list(ids)
 
+def as_text(value, where: str) -> str:
+    "`value` if it is a str that UTF-8 encodes (no lone surrogate); else a ValueError naming `where`."
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected text, got {type(value).__name__} {str(value)[:40]!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid text ({e.reason} at character {e.start})") from None
+    return value
+
 def benchmark_index(prompts: dict[str, str], tokenizer, config: DecontaminationConfig | None = None) -> BenchmarkIndex:
-    "The index of benchmark prompts (id → text), tokenized once."
+    "The index of benchmark prompts (id → text), tokenized once; no prompt, or one that is not text, is a ValueError."
     config = config or DecontaminationConfig()
-    return BenchmarkIndex({k: encode(tokenizer, text, config) for k, text in prompts.items()}, config)
+    if not isinstance(prompts, dict) or not prompts:
+        raise ValueError(f"benchmark prompts: expected a non-empty mapping id → text, got {prompts!r:.60}: "
+                         "an empty benchmark flags nothing")
+    texts = {k: as_text(v, f"benchmark prompt {k!r}") for k, v in prompts.items()}
+    if empty := [k for k, v in texts.items() if not v.strip()]:
+        raise ValueError(f"benchmark prompt {empty[0]!r} is empty: it would match every empty turn")
+    return BenchmarkIndex({k: encode(tokenizer, text, config) for k, text in texts.items()}, config, texts)
 
 # %% ../../../nbs/15_decontamination.ipynb #92ad2293
+MAX_ANCHORS = 50_000   # anchor pairs one (turn, prompt) pair may hold; real text here holds at most ~800 (chapters 15, 16)
+
 def best_match(index: BenchmarkIndex, tokens: list[int], shared: set[tuple]) -> Match | None:
     "The benchmark prompt `tokens` cover most among the candidates its shared n-grams name, if one reaches the threshold."
-    c, best, at = index.config, None, index.block_positions(tokens)
+    best, at = None, index.block_positions(tokens)
     for i in sorted({i for gram in shared for i in index.index[gram]}):
-        pairs, size = anchors(at, index.blocks[i]), len(index.tokens[i])
-        if covered(pairs, c.min_block) < c.threshold * size:
-            continue                                   # cannot reach the threshold: no block need be found
-        matched = block_tokens(pairs, len(tokens), size, c.min_block)
-        if matched >= c.threshold * size and (best is None or matched / size > best.ratio):
-            best = Match(index.ids[i], matched / size, matched)
+        m = pair_match(index, i, at, len(tokens))
+        if m is not None and (best is None or m.ratio > best.ratio):
+            best = m
     return best
+
+def pair_match(index: BenchmarkIndex, i: int, at: dict, length: int) -> Match | None:
+    "Prompt i against a text of `length` tokens holding the prompts' blocks `at`: its Match if it reaches the threshold."
+    c, blocks, size = index.config, index.blocks[i], len(index.tokens[i])
+    js = [j for j, g in enumerate(blocks) if g in at]              # the distinct prompt positions of the anchors
+    if (bound := min(spanned(js, c.min_block), length)) < c.threshold * size:
+        return None                                                # cannot reach the threshold: no block need be found
+    if sum(len(at[blocks[j]]) for j in js) > MAX_ANCHORS:
+        return Match(index.ids[i], bound / size, bound, bound=True)   # too many anchors to pair: removed on the bound
+    matched = block_tokens(anchors(at, blocks), length, size, c.min_block)
+    return Match(index.ids[i], matched / size, matched) if matched >= c.threshold * size else None
 
 def matches(index: BenchmarkIndex, texts: list[list[int]]) -> list[Match | None]:
     "`match` of every text, the shared n-grams found for all of them in one pass."
@@ -202,6 +245,7 @@ def match(index: BenchmarkIndex, tokens: list[int]) -> Match | None:
     "The benchmark prompt `tokens` cover most, among those whose matched blocks reach the threshold; None if none."
     return matches(index, [tokens])[0]
 
+# %% ../../../nbs/15_decontamination.ipynb #5e1f0a02
 def checked_turns(messages: list[dict], turns: str) -> list[str]:
     "The texts of a conversation that are checked: every user and system turn, or the first user message (Apertus)."
     if turns == "first-user":
@@ -210,11 +254,28 @@ def checked_turns(messages: list[dict], turns: str) -> list[str]:
         return [m["content"] for m in messages]
     return [m["content"] for m in messages if m["role"] in ("user", "system")]
 
+def valid_turns(messages) -> list[dict]:
+    "`messages` if it is a list of {role, content} turns whose role and content are text; else a ValueError naming the turn."
+    if not isinstance(messages, list):
+        raise ValueError(f"expected a list of {{role, content}} turns, got {type(messages).__name__}")
+    for t, m in enumerate(messages):
+        if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+            raise ValueError(f"turn {t}: expected a {{role, content}} mapping, got {str(m)[:40]!r}")
+        for key in ("role", "content"):
+            as_text(m[key], f"turn {t} {key}")
+    return messages
+
 def conversation_match(index: BenchmarkIndex, tokenizer, messages: list[dict]) -> Match | None:
-    "The best match over the conversation's checked turns, with the turn it was found in."
-    texts = [encode(tokenizer, text, index.config) for text in checked_turns(messages, index.config.turns)]
-    found = [Match(m.benchmark, m.ratio, m.matched, t) for t, m in enumerate(matches(index, texts)) if m]
-    return max(found, key=lambda m: m.ratio, default=None)
+    "The best match over the conversation's checked turns, with the turn it was found in (every turn must be text)."
+    texts = checked_turns(valid_turns(messages), index.config.turns)
+    found = [Match(m.benchmark, m.ratio, m.matched, t, m.bound)
+             for t, m in enumerate(matches(index, [encode(tokenizer, text, index.config) for text in texts])) if m]
+    return max(found + short_matches(index, texts), key=lambda m: m.ratio, default=None)
+
+def short_matches(index: BenchmarkIndex, texts: list[str]) -> list[Match]:
+    "The checked turns equal, once normalised, to a benchmark prompt shorter than the n-gram: ratio 1 (exact_match's rule)."
+    return [Match(index.ids[i], 1.0, len(index.tokens[i]), t) for t, text in enumerate(texts)
+            if index.exact and (i := index.exact.get(normal_hash(text))) is not None]
 
 # %% ../../../nbs/15_decontamination.ipynb #c35b4dde
 class DecontaminationFilter(BaseFilter):
@@ -226,10 +287,10 @@ class DecontaminationFilter(BaseFilter):
         self.index, self.tokenizer = index, tokenizer
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        messages = doc.metadata.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
-            raise ValueError(f"document {doc.id}: metadata['messages'] is not a list of {{role, content}} turns")
-        m = conversation_match(self.index, self.tokenizer, messages)
+        try:
+            m = conversation_match(self.index, self.tokenizer, doc.metadata.get("messages"))
+        except ValueError as e:
+            raise ValueError(f"document {doc.id}: metadata['messages']: {e}") from None
         record(doc, "decontamination", "kept" if m is None else "removed", "clean" if m is None else "benchmark overlap",
                benchmark=m.benchmark if m else "", ratio=m.ratio if m else 0.0, matched=m.matched if m else 0,
                turn=m.turn if m else -1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core import configs_dir, from_dict, read_yaml
+from ..core import ConfigError, configs_dir, from_dict, read_yaml
 
 PERMISSIVE = ("Apache-2.0", "MIT", "BSD-2-Clause", "BSD-3-Clause", "CC-BY-3.0", "CC-BY-4.0", "CC0-1.0", "ODC-BY-1.0",
               "PDDL-1.0", "Unlicense", "LicenseRef-public-domain")   # redistribution and commercial use allowed
@@ -35,7 +35,8 @@ class Collection:
     components: list[Component] = field(default_factory=list)
 
 # %% auto #0
-__all__ = ['PERMISSIVE', 'SHARE_ALIKE', 'Component', 'Collection', 'Decision', 'decide', 'decide_collection', 'load_collection']
+__all__ = ['PERMISSIVE', 'SHARE_ALIKE', 'Component', 'Collection', 'Decision', 'decide', 'decide_collection', 'unlisted_rows',
+           'load_collection']
 
 # %% ../../../nbs/14a_licenses.ipynb #310057e5
 @dataclass(frozen=True)
@@ -58,13 +59,41 @@ def decide(c: Component) -> Decision:
         return Decision(False, f"{c.licence} is share-alike (copyleft)")
     return Decision(False, f"{c.licence} is not a licence the policy knows: unknown is never included")
 
+# %% ../../../nbs/14a_licenses.ipynb #c0a1b2d4
 def decide_collection(c: Collection) -> Decision:
-    "A compound dataset complies only if every constituent does."
+    "A compilation complies only if its own licence (if stated) does, it lists constituents, and every one complies."
+    if c.licence is not None and not (own := decide(Component(name=c.name, licence=c.licence))).keep:
+        return Decision(False, f"its own licence binds the whole collection: {own.reason}")
+    if not c.components:
+        return Decision(False, "it lists no constituents: what it holds is unknown, and unknown is never included")
     if excluded := [x.name for x in c.components if not decide(x).keep]:
         return Decision(False, f"{len(excluded)} of {len(c.components)} constituents do not comply: {', '.join(excluded)}")
+    if gap := unlisted_rows(c):
+        return Decision(False, f"{gap} of the {c.card_rows:,} rows the card states are in no listed constituent: "
+                               "unknown is never included")
     return Decision(True, "every constituent complies")
 
+def unlisted_rows(c: Collection) -> str:
+    "The rows the card states that the constituents do not account for, in words; '' when they all are."
+    if c.card_rows is None:
+        return ""
+    if unstated := [x.name for x in c.components if x.rows is None]:
+        return f"an unknown number (no rows stated for {', '.join(unstated)})"
+    return f"{c.card_rows - listed:,}" if (listed := sum(x.rows for x in c.components)) < c.card_rows else ""
+
+# %% ../../../nbs/14a_licenses.ipynb #c0a1b2d7
 def load_collection(name: str | Path) -> Collection:
-    "configs/licenses/<name>.yaml (or a YAML path), read as presets are."
+    "configs/licenses/<name>.yaml (or a YAML path), read as presets are; any fault is a ConfigError naming the file."
     path = Path(name) if Path(name).suffix in (".yaml", ".yml") else configs_dir() / "licenses" / f"{name}.yaml"
-    return from_dict(Collection, read_yaml(path)[0], f"licences {path.stem}")
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such licence file")
+    try:
+        raw = read_yaml(path)[0]
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ConfigError(f"{path}: a licence file is a mapping with a name and its components, got {type(raw).__name__}")
+    try:
+        return from_dict(Collection, raw, f"licences {path.stem}")
+    except (ConfigError, TypeError) as e:     # TypeError: a component without its required name
+        raise ConfigError(f"{path}: {e}") from None

@@ -27,7 +27,7 @@ import torch
 from ..chat import chat_tokenizer, hf_chat_tokenizer, render
 from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_dict
 from ..engine import ChatModel
-from ..models.registry import build_model, model_config
+from ..models.registry import build_model, context_limit, model_config
 from ..tokenization import HFTokenizer, load_tokenizer
 from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
                                                save_weights, verify_checkpoint)
@@ -37,9 +37,9 @@ from ..training.plan import RowLoader, TrainConfig, fingerprint, micro_batch_for
 from ..training.trainer import train
 
 # %% auto #0
-__all__ = ['SOURCES', 'PUBLISHED', 'Rows', 'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'udhr_pairs',
-           'firefox_pairs', 'source_licences', 'conversation', 'test_index', 'sft_data', 'finetune', 'main',
-           'publish_sft', 'published_sft', 'translate', 'scores', 'export_chat']
+__all__ = ['SOURCES', 'PUBLISHED', 'Rows', 'sft_rows', 'SFTLoader', 'SFTConfig', 'sft_preset', 'chat_start', 'check_seq_len',
+           'check_batch', 'udhr_pairs', 'firefox_pairs', 'source_licences', 'conversation', 'test_index', 'sft_data',
+           'finetune', 'main', 'publish_sft', 'published_sft', 'translate', 'scores', 'export_chat']
 
 # %% ../../../nbs/16_sft.ipynb #04735686
 @dataclass(frozen=True)
@@ -149,6 +149,19 @@ def chat_start(base_config, base_checkpoint: str | os.PathLike, config, root: st
             raise CheckpointError(f"{name}: base {tuple(old.shape)} cannot grow into {tuple(t.shape)}")
     return save_weights(root, 0, state, config, grown_from=str(base_checkpoint))
 
+# %% ../../../nbs/16_sft.ipynb #b0a1c2d2
+def check_seq_len(p: Preset, c: SFTConfig) -> None:
+    "Refuse an sft.seq_len longer than the model's context: every row is padded to it, before the plan could refuse it."
+    if (limit := context_limit(model_config(p))) is not None and c.seq_len > limit:
+        raise ConfigError(f"{p.where('sft.seq_len')}: sft.seq_len {c.seq_len:,} exceeds the model's context {limit:,}",
+                          "sft.seq_len")
+
+def check_batch(p: Preset, c: SFTConfig, rows: int) -> None:
+    "Refuse an sft.batch_size above the rows: one step would read rows several times over, its micro-batches all held."
+    if c.batch_size > rows:
+        raise ConfigError(f"{p.where('sft.batch_size')}: sft.batch_size {c.batch_size:,} is more than the {rows:,} rows "
+                          f"the conversations make; one step reads at most every row once (use ≤ {rows:,})", "sft.batch_size")
+
 # %% ../../../nbs/16_sft.ipynb #7d9104b8
 SOURCES = {"udhr": ["udhr"],                                         # SFT source → the packages its text comes from
            "firefox-de-rm": ["firefox-esr-l10n-de", "firefox-esr-l10n-rm"]}
@@ -236,12 +249,14 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os
              tokenizer: HFTokenizer | None = None) -> Path:
     "Fine-tune preset `p`'s model from a base checkpoint (None: a fresh initialisation) on `conversations` into `out`."
     c, out = p.section("sft", SFTConfig), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_seq_len(p, c)
     tok = tokenizer or chat_tokenizer(load_tokenizer(p))       # the chat tokenizer, if the caller built it already
+    rows = sft_rows(tok, conversations, c.seq_len, c.pack)
+    check_batch(p, c, len(rows.ids))                          # both before anything is written
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"tokenizer.json.{os.getpid()}.tmp"          # one per writer: concurrent starts never interleave
     tok.tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
-    rows = sft_rows(tok, conversations, c.seq_len, c.pack)
     pl = plan(sft_preset(p, out / "tokenizer.json", tok.vocab_size, len(rows.ids)))
     start = base_checkpoint and chat_start(model_config(p), base_checkpoint, pl.model, out / "start")
     def loader(pl_, tokenizer, rank, world_size, label_mask):

@@ -31,10 +31,11 @@ from ..models.registry import build_model, config_class, to_hf
 
 # %% auto #0
 __all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal',
-           'verify_checkpoint', 'checkpoints', 'latest_valid_checkpoint', 'prune_checkpoints', 'publish_checkpoint',
-           'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded',
-           'save_checkpoint', 'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint',
-           'recorded_config', 'load_model', 'consolidated_weights', 'load_weights', 'export_hf', 'save_weights']
+           'verify_checkpoint', 'check_finite', 'finite_weights', 'checkpoints', 'latest_valid_checkpoint',
+           'prune_checkpoints', 'publish_checkpoint', 'checkpoint_format', 'split_optimizer', 'join_optimizer',
+           'run_files', 'capture_state', 'save_sharded', 'save_checkpoint', 'SafeReader', 'check_tensors',
+           'read_tensors', 'restore_state', 'agreed_checkpoint', 'recorded_config', 'load_model',
+           'consolidated_weights', 'load_weights', 'export_hf', 'save_weights']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -142,6 +143,27 @@ def _first_difference(recorded, expected, where: str = "") -> str | None:
                                                                    f"{where}.{k}" if where else k))), None)
     return None if recorded == expected else f"{where} is {recorded!r}, not {expected!r}"
 
+# %% ../../../nbs/10a_checkpoint.ipynb #f1a0c0d2
+def check_finite(path: Path, tensors: dict[str, Tensor], what: str = "weight") -> dict[str, Tensor]:
+    "`tensors`, unless one (this rank's shard of it) holds a NaN or an infinity: then a CheckpointError naming it."
+    for name, t in tensors.items():
+        local = t.to_local() if hasattr(t, "to_local") else t                # a DTensor: this rank's shard
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise CheckpointError(f"{path}: {what} {name} holds NaN or infinite values (not written by a finite run)")
+    return tensors
+
+def finite_weights(path: Path) -> None:
+    "Refuse a full checkpoint whose model.safetensors holds a non-finite tensor, read one tensor at a time."
+    file = path / "model.safetensors"
+    if _state(path)["format"] != "full" or not file.is_file():
+        return                                                             # sharded: checked as its shards are read
+    try:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                check_finite(path, {name: f.get_tensor(name)})
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors ({e})") from None
+
 # %% ../../../nbs/10a_checkpoint.ipynb #481de798
 STEP = re.compile(r"step-(\d{8})")             # a finished checkpoint's folder name
 TEMP = re.compile(r"\.tmp-step-\d{8}-(\d+)")    # a writer's temporary folder: its pid
@@ -153,10 +175,11 @@ def checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if STEP.fullmatch(p.name) and p.is_dir()), key=lambda p: p.name)
 
 def latest_valid_checkpoint(root: Path, expected: dict | None = None, model: nn.Module | None = None) -> Path | None:
-    "The newest checkpoint that verifies (of the run `expected`, fitting `model`); refused ones are reported on stderr."
+    "The newest checkpoint that verifies (of the run `expected`, fitting `model`) with finite weights; refused ones on stderr."
     for path in reversed(checkpoints(root)):
         try:
             verify_checkpoint(path, expected, model)
+            finite_weights(path)
             return path
         except CheckpointError as e:
             print(f"refusing checkpoint: {e}; falling back to the previous one", file=sys.stderr)
@@ -355,13 +378,14 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 def read_tensors(path: Path, fmt: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[StateDictOptions, dict, dict]:
     "A checkpoint's weights and optimizer tensors in its format: the full safetensors, or this rank's shards read by DCP."
     if fmt == "full":
-        return (_options(full=True), load_file(str(path / "model.safetensors")),
-                load_file(str(path / "optimizer.safetensors")))
-    options = _options(full=False)
-    state = {"model": get_model_state_dict(model, options=options),        # this rank's shapes and shards, to fill
-             "optimizer": split_optimizer(get_optimizer_state_dict(model, optimizer, options=options))[0]}
-    dcp.load(state, storage_reader=SafeReader(path / "dcp"))
-    return options, state["model"], state["optimizer"]
+        options, state = _options(full=True), {"model": load_file(str(path / "model.safetensors")),
+                                               "optimizer": load_file(str(path / "optimizer.safetensors"))}
+    else:
+        options = _options(full=False)
+        state = {"model": get_model_state_dict(model, options=options),    # this rank's shapes and shards, to fill
+                 "optimizer": split_optimizer(get_optimizer_state_dict(model, optimizer, options=options))[0]}
+        dcp.load(state, storage_reader=SafeReader(path / "dcp"))
+    return options, check_finite(path, state["model"]), check_finite(path, state["optimizer"], "optimizer tensor")
 
 # %% ../../../nbs/10a_checkpoint.ipynb #06e2778c
 def restore_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, loader) -> int:
@@ -421,10 +445,10 @@ def load_model(checkpoint: str | os.PathLike, config=None) -> nn.Module:
 def consolidated_weights(model: nn.Module, checkpoint: Path, fmt: str) -> dict[str, Tensor]:
     "A checkpoint's full weights for `model` (plain, CPU): its model.safetensors, or every rank's DCP shards, in one process."
     if fmt == "full":
-        return load_file(str(checkpoint / "model.safetensors"))
+        return check_finite(checkpoint, load_file(str(checkpoint / "model.safetensors")))
     state = {"model": model.state_dict()}              # plain tensors to fill from every rank's shards
     dcp.load(state, storage_reader=SafeReader(checkpoint / "dcp"), no_dist=True)   # this process reads all
-    return state["model"]
+    return check_finite(checkpoint, state["model"])
 
 def load_weights(model: nn.Module, config, checkpoint: str | os.PathLike) -> Path:
     "Fill `model` (plain, DDP or FSDP2, of `config`) with the weights of a verified checkpoint of any run whose tensors fit."
