@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from openpretrain.core import ConfigError, data_dir, from_dict
 from openpretrain.posttrain.constitution import (
-    DEFECTS, POINTWISE, QUALITY, SCALE, STYLES, CalibrationConfig, CalibrationItem, Comparison, ConstitutionConfig, Judge,
-    JudgeConfig, Policy, Prompt, Sensitivity, Tracks, accounting, both_orders, calibrate, charter_instructions,
+    DEFECTS, POINTWISE, QUALITY, SCALE, STYLES, CalibrationConfig, CalibrationItem, Comparison, Completion, ConstitutionConfig,
+    Judge, JudgeConfig, Policy, Prompt, Sensitivity, Tracks, accounting, both_orders, calibrate, charter_instructions,
     charter_persona, charter_text, cited_clauses, classify, completions, degrade, load_charter, load_examples, order_logprobs,
-    pairwise_agreement, parse_sensitivity, rank_agreement, two_track, weighted_score)
+    pair, pairwise_agreement, parse_sensitivity, rank_agreement, two_track, weighted_score)
 from openpretrain.posttrain.preference import PairConfig
 from openpretrain.engine import ChatModel
-from openpretrain.posttrain.client import ChatClient, ChatError, Reply
+from openpretrain.posttrain.client import ChatClient, ChatError, MalformedAnswer, Reply
 from openpretrain.posttrain.server import ServeConfig, app, serving
 
 TITLES = ["Response Quality", "Knowledge and Reasoning Standards", "Respectful Communication", "Preventing Harm",
@@ -49,6 +49,38 @@ def client(url):
 
 def lp(p: float) -> float:
     return math.log(p)
+
+
+class Scripted(ChatClient):
+    "A judge or classifier server that needs no network: each batch is answered by the next of its `replies`."
+    def __init__(self, replies):
+        super().__init__("http://127.0.0.1:9/v1")
+        self.replies = list(replies)
+
+    def chat_many(self, conversations, seeds=None, errors=False, **sampling):
+        out, self.replies = self.replies[:len(conversations)], self.replies[len(conversations):]
+        if not errors and (failed := next((r for r in out if isinstance(r, ChatError)), None)):
+            raise failed
+        return out
+
+
+def judged(top: list, first: str = "7") -> Reply:
+    "A judge reply whose first token has the top log-probs `top`."
+    return Reply(first, "stop", [{"token": first, "logprob": -0.1, "top_logprobs": top}], {})
+
+
+BAD = {  # a malformed judge reply, and what its Score's error says
+    "no top_logprobs": (Reply("7", "stop", [{"token": "7", "logprob": -0.1}], {}), "no top_logprobs list"),
+    "logprobs not a list": (Reply("7", "stop", {"content": []}, {}), "no top_logprobs list"),
+    "top_logprobs a string": (judged("7"), "no top_logprobs list"),
+    "a log-prob of 1000": (judged([{"token": "7", "logprob": 1000.0}]), "log-prob 1000.0 of token '7' is not a finite"),
+    "a NaN log-prob": (judged([{"token": "8", "logprob": -0.1}, {"token": "7", "logprob": math.nan}]), "log-prob nan"),
+    "a huge log-prob": (judged([{"token": "7", "logprob": -(10 ** 400)}]), "log-prob -100000"),
+    "a number as token": (judged([{"token": 7, "logprob": -0.1}]), "an entry without a string token: {'token': 7"),
+    "an entry not a dict": (judged(["7"]), "an entry without a string token: '7'"),
+    "refused by the client": (MalformedAnswer("chat server http://judge/v1: the answer's choices[0].logprobs.content[0]: "
+                                              "log-prob 1000.0 of token '7' is not a finite number ≤ 0"), "http://judge/v1"),
+}
 
 
 # ---- the charter ----------------------------------------------------------------------------------------------------
@@ -127,6 +159,16 @@ def test_classify_against_our_server_counts_unparsed_and_failed_prompts(client):
     assert gone[0].level is None and "unreachable" in gone[0].error
 
 
+def test_a_classifier_reply_nested_5000_deep_or_with_a_5000_digit_level_is_counted_as_unparsed():
+    deep = '{"classification": ' + "[" * 5000 + "]" * 5000 + "}"
+    assert parse_sensitivity(deep) is None and parse_sensitivity('{"classification": ' + "7" * 5000 + "}") is None
+    assert parse_sensitivity('{"reasoning": ' + "[" * 5000 + "]" * 5000 + ', "classification": "2"}') == 2   # its fragment
+    assert parse_sensitivity('{"classification": "3", "pad": "' + "x" * 2_000_000 + '"}') == 3            # past the size bound
+    levels = classify(Scripted([Reply(deep, "stop", None, {}), Reply('{"classification": "1"}', "stop", None, {})]),
+                      [Prompt(id="a", text="?"), Prompt(id="b", text="?")], SMALL)
+    assert [(s.level, s.reply, s.error) for s in levels] == [(None, deep, ""), (1, '{"classification": "1"}', "")]
+
+
 # ---- scores ---------------------------------------------------------------------------------------------------------
 
 def test_the_judge_scale_is_1_to_9_not_the_public_scripts_1_to_8():
@@ -175,6 +217,25 @@ def test_the_judge_against_our_server_reads_the_first_tokens_top_20_at_temperatu
     assert client.requests - sent == 2 and isinstance(c, Comparison) and c.winner in ("a", "b", None)
 
 
+def test_a_malformed_judge_reply_is_unscored_with_its_reason():
+    good = judged([{"token": "8", "logprob": lp(0.5)}, {"token": " 6", "logprob": lp(0.5)}])
+    scores = Judge(Scripted([good, *(r for r, _ in BAD.values()), good]), QUALITY).scores("q", ["y"] * (len(BAD) + 2))
+    assert [s.value for s in scores] == [7.0] + [None] * len(BAD) + [7.0] and scores[0].error == scores[-1].error == ""
+    for s, (_, why) in zip(scores[1:-1], BAD.values()):
+        assert s.error.startswith("malformed reply: ") and why in s.error and "\n" not in s.error
+    ok, bad = judged([{"token": "A", "logprob": lp(0.9)}]), BAD["a log-prob of 1000"][0]
+    c = Judge(Scripted([ok, bad]), QUALITY).compare("q", "a", "b")
+    assert (c.missing, c.winner) == (True, None) and "log-prob 1000.0" in c.error
+    assert Judge(Scripted([ok, ok]), QUALITY).compare("q", "a", "b").error == ""
+
+
+def test_a_score_token_at_probability_zero_counts_for_nothing():
+    assert weighted_score([{"token": "7", "logprob": -9999.0}]) is None          # vLLM's stand-in for −inf
+    assert weighted_score([{"token": "7", "logprob": -9999.0}, {"token": "3", "logprob": -1.0}]) == 3.0
+    assert order_logprobs([{"token": "A", "logprob": -9999.0}, {"token": "B", "logprob": lp(0.5)}]) == (-math.inf, lp(0.5))
+    assert order_logprobs([{"token": "A", "logprob": -9999.0}]) is None
+
+
 # ---- the two tracks -------------------------------------------------------------------------------------------------
 
 def test_two_track_against_our_server_runs_every_stage(client):
@@ -214,23 +275,34 @@ class Canned(ChatClient):
 
 
 CANNED = (Policy("sft", Canned(), on_policy=True), Policy("other", Canned()))
+SEVERAL = st.one_of(st.none(), st.integers(1, 5).map(float), st.sampled_from([math.nan, math.inf, -math.inf]),
+                    st.sampled_from(sorted(BAD)))   # a reward, unscored, not finite, or a malformed judge reply
 LEVEL = st.sampled_from([None, "error", 0, 1, 2, 3])
-REWARDS = st.one_of(st.just("fail"), st.lists(st.one_of(st.none(), st.integers(0, 4).map(float)), min_size=5, max_size=5))
+REWARDS = st.one_of(st.just("fail"), st.lists(SEVERAL, min_size=5, max_size=5))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(LEVEL, REWARDS), max_size=12))
-@example([(0, [1.0, 2.0, 3.0, 4.0, 0.0]), (3, [1.0, 1.0, 1.0, 1.0, 1.0]), (1, [None, 2.0, None, 4.0, 0.0])])  # paired, two skips
+@example([(0, [2.0, 3.0, 4.0, 5.0, 1.0]), (3, [2.0, 2.0, 2.0, 2.0, 2.0]), (1, [None, 3.0, None, 5.0, 1.0])])  # paired, two skips
+@example([(3, [2.0, "a log-prob of 1000", 4.0, 5.0, 1.0]), (2, [math.nan, "no top_logprobs", 3.0, 5.0, 1.0]),
+          (0, ["a number as token", "a NaN log-prob", "an entry not a dict", math.inf, 1.0]), (1, [1.0, 2.0, 3.0, 4.0, 5.0])])
 def test_every_prompt_leaves_the_pipeline_exactly_once_with_its_reason(cases):
     prompts = [Prompt(id=f"p{i}", text=f"prompt {i}") for i in range(len(cases))]
     levels = [Sensitivity(None, "", "the classifier: HTTP 500") if lv == "error" else Sensitivity(lv, "x") for lv, _ in cases]
     given_rewards = {p.text: r for p, (_, r) in zip(prompts, cases)}
 
+    def reply(r) -> Reply:
+        "A judge reply that scores r, scores nothing (None), or is malformed (a name in BAD)."
+        return BAD[r][0] if isinstance(r, str) else judged([{"token": "Score" if r is None else str(int(r)), "logprob": 0.0}])
+
     def scorer(prompt, texts):
+        "Our judge over the case's replies, with a non-finite reward in place of its score where the case has one."
         if given_rewards[prompt] == "fail":
             raise ChatError("chat server http://judge/v1: HTTP 503: busy (after 4 attempts)")
         assert len(texts) == 5                        # 3 references and 2 others (samples=2)
-        return given_rewards[prompt]
+        odd = [isinstance(r, float) and not math.isfinite(r) for r in given_rewards[prompt]]
+        scores = Judge(Scripted(reply(None if o else r) for r, o in zip(given_rewards[prompt], odd)), QUALITY)(prompt, texts)
+        return [r if o else s for r, o, s in zip(given_rewards[prompt], odd, scores)]
 
     c = ConstitutionConfig(pairs=PairConfig(n_refs=3), samples=2)
     outcomes = two_track(prompts, levels, Tracks(CANNED, scorer, scorer, ("persona",)), c)
@@ -243,13 +315,40 @@ def test_every_prompt_leaves_the_pipeline_exactly_once_with_its_reason(cases):
         elif lv is None:
             assert (o.status, o.track) == ("skipped", None)
         else:
-            assert o.track == ("charter" if lv >= 2 else "standard") and o.unscored == rewards.count(None)
-            refs = [r for r in rewards[:3] if r is not None]
+            usable = [isinstance(r, float) and math.isfinite(r) for r in rewards]
+            assert o.track == ("charter" if lv >= 2 else "standard") and o.unscored == usable.count(False)
+            refs = [r for r, u in zip(rewards[:3], usable) if u]
             if o.status == "paired":
                 assert o.q[0] == 1.0 and o.rewards[0] >= max(refs) and o.q[1] <= max(0.2, 1 / len(refs)) + 1e-6
                 assert sorted(o.ref_rewards) == sorted(refs) and o.chosen != o.rejected
+                assert all(math.isfinite(r) for r in (*o.rewards, *o.q, *o.ref_rewards))
             elif len(refs) < 2:
                 assert o.reason == "fewer than 2 reference completions scored"
+            else:
+                assert o.reason == "no completion in the rejected tier"
+
+
+def test_non_finite_rewards_are_unscored_and_a_prompt_without_two_is_skipped_for_that_reason():
+    xs = [Completion(n, "", n, n.startswith("r")) for n in ("r1", "r2", "r3", "o1", "o2")]
+    o = pair("p", "standard", xs, [math.nan, math.nan, 3.0, 6.0, 1.0], PairConfig(), random.Random(0))
+    assert (o.status, o.reason, o.unscored) == ("skipped", "fewer than 2 reference completions scored", 2)
+    o = pair("p", "standard", xs, [math.nan, 5.0, 3.0, math.inf, 1.0], PairConfig(), random.Random(0))
+    assert (o.status, o.ref_rewards, o.unscored, o.rejected.policy) == ("paired", (5.0, 3.0), 2, "r3")   # q ≤ 1/2: r3 (q = 1/2) above o2 (0)
+
+
+def test_one_malformed_judge_reply_loses_its_item_not_the_run():
+    prompts = [Prompt(id=f"p{i}", text=f"prompt {i}") for i in range(4)]
+    good = [judged([{"token": t, "logprob": 0.0}]) for t in "95182"]
+    judge = Judge(Scripted(good * 2 + [r for r, _ in BAD.values()][:5] + good), QUALITY)   # prompt 3's five replies are bad
+    outcomes = two_track(prompts, [Sensitivity(3, "hand")] * 4, Tracks(CANNED, judge, judge, ("persona",)),
+                         ConstitutionConfig(pairs=PairConfig(n_refs=3), samples=2))
+    assert [(o.prompt, o.status, o.unscored) for o in outcomes] == [
+        ("p0", "paired", 0), ("p1", "paired", 0), ("p2", "skipped", 5), ("p3", "paired", 0)]
+    assert outcomes[2].reason == "fewer than 2 reference completions scored"
+    gone = ChatError("chat server http://judge/v1: unreachable (ConnectError: refused) (after 4 attempts)")
+    down = two_track(prompts[:1], [Sensitivity(3, "hand")], Tracks(CANNED, None, Judge(Scripted([gone] * 5), QUALITY), ("p",)),
+                     ConstitutionConfig(pairs=PairConfig(n_refs=3), samples=2))
+    assert (down[0].status, down[0].reason) == ("failed", str(gone))          # not malformed: the request failed
 
 
 def test_two_track_refuses_repeated_ids_and_policies_without_one_reference():

@@ -10,7 +10,6 @@ the judge's calibration on successively degraded answers (Spearman, Kendall, pai
 # %% ../../../nbs/17b_constitution.ipynb #0ca5c7b4
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -24,18 +23,18 @@ from scipy import stats
 
 from ..core import ConfigError, bounded, data_dir, from_dict, read_yaml
 from .preference import PairConfig, quantile_reward, select_pairs
-from .client import ChatClient, ChatError, Reply
+from .client import ChatClient, ChatError, MalformedAnswer, Reply, logprob_entry, read_json
 
 # %% auto #0
-__all__ = ['CLAUSES', 'CITATION', 'SENSITIVITY', 'LEVEL', 'STYLES', 'PERSONA', 'SCALE', 'SCORE_TOKENS', 'PAIR_LABELS', 'QUALITY',
-           'POINTWISE', 'PAIRWISE', 'SENTENCE', 'OFF_TOPIC', 'DEFECTS', 'Article', 'Survey', 'Charter', 'load_charter',
-           'check_charter', 'charter_text', 'cited_clauses', 'parse_sensitivity', 'Prompt', 'Sensitivity',
-           'ConstitutionConfig', 'classify', 'charter_persona', 'Policy', 'Completion', 'system_prompt', 'RewardModel',
-           'Tracks', 'completions', 'label_mass', 'weighted_score', 'first_top', 'order_logprobs', 'Comparison',
-           'both_orders', 'charter_instructions', 'JudgeConfig', 'Score', 'Judge', 'Outcome', 'pair', 'one_prompt',
-           'two_track', 'accounting', 'wrong_numbers', 'off_topic', 'repeat', 'drop_sentence', 'shuffle', 'swap_words',
-           'typos', 'truncate', 'degrade', 'CalibrationItem', 'Examples', 'load_examples', 'CalibrationConfig',
-           'rank_agreement', 'pairwise_agreement', 'calibrate']
+__all__ = ['CLAUSES', 'CITATION', 'SENSITIVITY', 'LEVEL', 'JSON_LIMIT', 'STYLES', 'PERSONA', 'SCALE', 'SCORE_TOKENS',
+           'PAIR_LABELS', 'QUALITY', 'POINTWISE', 'PAIRWISE', 'SENTENCE', 'OFF_TOPIC', 'DEFECTS', 'Article', 'Survey',
+           'Charter', 'load_charter', 'check_charter', 'charter_text', 'cited_clauses', 'parse_sensitivity', 'Prompt',
+           'Sensitivity', 'ConstitutionConfig', 'classify', 'charter_persona', 'Policy', 'Completion', 'system_prompt',
+           'RewardModel', 'Tracks', 'completions', 'label_mass', 'weighted_score', 'first_top', 'order_logprobs',
+           'Comparison', 'both_orders', 'charter_instructions', 'JudgeConfig', 'Score', 'Judge', 'Outcome', 'pair',
+           'one_prompt', 'two_track', 'accounting', 'wrong_numbers', 'off_topic', 'repeat', 'drop_sentence', 'shuffle',
+           'swap_words', 'typos', 'truncate', 'degrade', 'CalibrationItem', 'Examples', 'load_examples',
+           'CalibrationConfig', 'rank_agreement', 'pairwise_agreement', 'calibrate']
 
 # %% ../../../nbs/17b_constitution.ipynb #2c21bd6d
 CLAUSES = (3, 9)   # clauses per article, fewest and most (the report: 3–9)
@@ -141,14 +140,21 @@ def parse_sensitivity(reply: str) -> int | None:
     text = reply.strip()
     if text in ("0", "1", "2", "3"):
         return int(text)
-    try:
-        value = json.loads(text[text.find("{"):text.rfind("}") + 1]).get("classification")
-    except (json.JSONDecodeError, AttributeError):
-        value = None
+    value = _classification(text[text.find("{"):text.rfind("}") + 1])
     if str(value) in ("0", "1", "2", "3"):
         return int(value)
     found = LEVEL.search(text)
     return int(found.group(1)) if found else None
+
+JSON_LIMIT = 100_000   # the longest reply read as JSON, in characters (longer ones: the fragment or nothing)
+
+def _classification(text: str):
+    "The `classification` of a JSON object of at most JSON_LIMIT characters, nested at most 64 deep; None otherwise."
+    try:
+        value = read_json(text) if len(text) <= JSON_LIMIT else None
+    except ValueError:
+        return None
+    return value.get("classification") if isinstance(value, dict) else None
 
 # %% ../../../nbs/17b_constitution.ipynb #53a309ce
 @dataclass(kw_only=True)
@@ -249,11 +255,12 @@ SCALE = tuple(range(1, 10))                  # the judge's scores 1 … 9 (the p
 SCORE_TOKENS = {str(s): s for s in SCALE}
 
 def label_mass(top: list[dict], labels: dict[str, object]) -> dict:
-    "Probability per label among one position's top log-probs ({token, logprob} entries); a token counts for its stripped text."
+    "Probability per label among one position's top log-probs (a token counts for its stripped text); ValueError on a malformed entry."
     mass = {}
     for entry in top:
-        if (label := labels.get(entry["token"].strip())) is not None:
-            mass[label] = mass.get(label, 0.0) + math.exp(entry["logprob"])
+        token, logprob = logprob_entry(entry)
+        if (label := labels.get(token.strip())) is not None and (p := math.exp(logprob)) > 0:
+            mass[label] = mass.get(label, 0.0) + p
     return mass
 
 def weighted_score(top: list[dict]) -> float | None:
@@ -262,8 +269,14 @@ def weighted_score(top: list[dict]) -> float | None:
     return sum(s * p for s, p in mass.items()) / sum(mass.values()) if mass else None
 
 def first_top(reply: Reply) -> list[dict]:
-    "The top log-probs of a reply's first token ([] for an empty reply or one without log-probs)."
-    return reply.logprobs[0]["top_logprobs"] if reply.logprobs else []
+    "The top log-probs of a reply's first token ([] for an empty reply or one without log-probs); ValueError if they are not a list."
+    if not reply.logprobs:
+        return []
+    first = reply.logprobs[0] if isinstance(reply.logprobs, list) else None
+    if not isinstance(first, dict) or not isinstance(first.get("top_logprobs"), list):
+        raise ValueError("its first token has no top_logprobs list")
+    return first["top_logprobs"]
+
 
 # %% ../../../nbs/17b_constitution.ipynb #344d11e4
 PAIR_LABELS = {"A": 0, "B": 1}
@@ -278,7 +291,8 @@ class Comparison:
     a: float              # log p(a preferred), averaged over its two positions (−inf: never in the top k)
     b: float              # the same for b
     consistent: bool      # both orders preferred the same completion
-    missing: bool         # an order had neither label in its top k
+    missing: bool         # an order had neither label in its top k (or its reply was malformed)
+    error: str = ""       # why an order's reply was malformed ('' when neither was)
 
     @property
     def winner(self) -> str | None:
@@ -329,9 +343,10 @@ class JudgeConfig:
 
 @dataclass(frozen=True)
 class Score:
-    value: float | None        # the probability-weighted 1–9 score; None: no score token in the top k
+    value: float | None        # the probability-weighted 1–9 score; None: no score token in the top k, or malformed
     cited: tuple[str, ...]     # clause numbers the reply cites that the charter has
     reply: str                 # the judge's whole reply
+    error: str = ""            # why the reply was malformed ('' when it was not)
 
 # %% ../../../nbs/17b_constitution.ipynb #270ec179
 class Judge:
@@ -343,10 +358,18 @@ class Judge:
         "Each completion's pointwise score at temperature 0, with the clauses its reply cites."
         asks = [[{"role": "user", "content": POINTWISE.format(instructions=self.instructions, prompt=prompt, completion=y)}]
                 for y in completions]
-        replies = self.client.chat_many(asks, temperature=0.0, max_tokens=self.c.max_tokens, logprobs=True,
+        replies = self.client.chat_many(asks, errors=True, temperature=0.0, max_tokens=self.c.max_tokens, logprobs=True,
                                         top_logprobs=self.c.top_logprobs)
-        return [Score(weighted_score(first_top(r)), cited_clauses(r.text, self.charter) if self.charter else (), r.text)
-                for r in replies]
+        return [self._score(r) for r in replies]
+
+    def _score(self, r: Reply | ChatError) -> Score:
+        "A reply's score and the clauses it cites; a malformed reply's score is None, with the reason in `error`."
+        text = r.text if isinstance(r, Reply) else ""
+        cited = cited_clauses(text, self.charter) if self.charter else ()
+        try:
+            return Score(weighted_score(_top(r)), cited, text)
+        except ValueError as e:
+            return Score(None, cited, text, f"malformed reply: {e}")
 
     def __call__(self, prompt: str, completions: list[str]) -> list[float | None]:
         return [s.value for s in self.scores(prompt, completions)]
@@ -355,9 +378,26 @@ class Judge:
         "Which of a and b the judge prefers, judged as AB and as BA at temperature 0."
         asks = [[{"role": "user", "content": PAIRWISE.format(instructions=self.instructions, prompt=prompt, a=x, b=y)}]
                 for x, y in ((a, b), (b, a))]
-        ab, ba = self.client.chat_many(asks, temperature=0.0, max_tokens=1, logprobs=True,
+        ab, ba = self.client.chat_many(asks, errors=True, temperature=0.0, max_tokens=1, logprobs=True,
                                        top_logprobs=self.c.pair_top_logprobs)
-        return both_orders(order_logprobs(first_top(ab)), order_logprobs(first_top(ba)))
+        (x, why_ab), (y, why_ba) = _order(ab), _order(ba)
+        return replace(both_orders(x, y), error="; ".join(w for w in (why_ab, why_ba) if w))
+
+def _top(r: Reply | ChatError) -> list[dict]:
+    "A judge reply's first top log-probs; ValueError for a malformed reply or answer; any other ChatError raised."
+    if isinstance(r, MalformedAnswer):
+        raise ValueError(str(r))
+    if isinstance(r, ChatError):
+        raise r
+    return first_top(r)
+
+def _order(r: Reply | ChatError) -> tuple[tuple[float, float] | None, str]:
+    "A pairwise reply's (log p(A), log p(B)) and ''; (None, why) for a malformed reply."
+    try:
+        return order_logprobs(_top(r)), ""
+    except ValueError as e:
+        return None, f"malformed reply: {e}"
+
 
 # %% ../../../nbs/17b_constitution.ipynb #95843255
 @dataclass(frozen=True)
@@ -371,12 +411,12 @@ class Outcome:
     rewards: tuple[float, float] | None = None   # the chosen's and the rejected's reward
     q: tuple[float, float] | None = None         # their quantile rewards among the references
     ref_rewards: tuple[float, ...] = ()          # the scored references' rewards
-    unscored: int = 0                            # completions the scorer returned None for
+    unscored: int = 0                            # completions without a finite reward (None, NaN, ±inf)
 
 def pair(prompt: str, track: str, xs: list[Completion], rewards: list[float | None], c: PairConfig,
          rng: random.Random) -> Outcome:
     "The prompt's outcome: chapter 17's pair over quantile rewards against the scored references, ties broken by `rng`."
-    scored = [(x, r) for x, r in zip(xs, rewards, strict=True) if r is not None]
+    scored = [(x, r) for x, r in zip(xs, rewards, strict=True) if _finite(r)]
     refs = [r for x, r in scored if x.on_policy]
     unscored = len(xs) - len(scored)
     scored = rng.sample(scored, len(scored))
@@ -393,6 +433,13 @@ def pair(prompt: str, track: str, xs: list[Completion], rewards: list[float | No
     return Outcome(prompt, track, "paired", "", scored[i][0], scored[j][0], (scored[i][1], scored[j][1]),
                    (float(q[0, i]), float(q[0, j])), tuple(refs), unscored)
 
+def _finite(r) -> bool:
+    "Whether a reward is a finite number (None, NaN, ±inf and what is no number are not)."
+    try:
+        return math.isfinite(r)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
 # %% ../../../nbs/17b_constitution.ipynb #7b6328e9
 def one_prompt(prompt: Prompt, s: Sensitivity, tracks: Tracks, c: ConstitutionConfig) -> Outcome:
     "Route one prompt by its level, sample its completions, score them with its track's scorer, pair them."
@@ -406,6 +453,8 @@ def one_prompt(prompt: Prompt, s: Sensitivity, tracks: Tracks, c: ConstitutionCo
         rewards = (tracks.judge if track == "charter" else tracks.reward)(prompt.text, [x.text for x in xs])
     except ChatError as e:
         return Outcome(prompt.id, track, "failed", str(e))
+    if len(rewards) != len(xs):
+        return Outcome(prompt.id, track, "failed", f"the scorer gave {len(rewards)} rewards for {len(xs)} completions")
     return pair(prompt.id, track, xs, rewards, c.pairs, random.Random(f"{c.seed}:{prompt.id}:pair"))
 
 def two_track(prompts: list[Prompt], levels: list[Sensitivity], tracks: Tracks, c: ConstitutionConfig) -> list[Outcome]:
