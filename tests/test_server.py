@@ -389,6 +389,9 @@ def test_an_api_key_is_required_when_one_is_set(served):
                        headers=key, timeout=30)
         assert r.status_code == 200
         assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200   # no key needed
+        assert ChatClient(base_url, api_key="sekrit", retries=0).chat(HELLO, max_tokens=2).finish_reason in ("stop", "length")
+        with pytest.raises(ChatError, match="HTTP 401"):
+            ChatClient(base_url, retries=0).chat(HELLO, max_tokens=2)
 
 
 def test_a_body_that_drips_is_cut_off_with_408(served):

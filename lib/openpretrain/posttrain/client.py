@@ -156,8 +156,9 @@ class ChatClient:
     "Chat completions from an OpenAI-compatible server: timeouts, a deadline, a size cap, retries with backoff, a concurrency limit, a disk cache."
     def __init__(self, base_url: str | None = None, model: str = "openpretrain", timeout: float = 60.0, retries: int = 3,
                  backoff: float = 0.5, max_concurrency: int = 4, cache_dir: str | os.PathLike | None = None,
-                 deadline: float | None = None, max_reply_bytes: int = MAX_REPLY_BYTES):
+                 deadline: float | None = None, max_reply_bytes: int = MAX_REPLY_BYTES, api_key: str | None = None):
         base_url = base_url or os.environ.get("OPENPRETRAIN_CHAT_URL")
+        api_key = api_key or os.environ.get("OPENPRETRAIN_API_KEY")             # `openpretrain serve --api-key`, vLLM's
         if not base_url:
             raise ChatError("no chat server configured: pass base_url (e.g. http://127.0.0.1:8000/v1) or set OPENPRETRAIN_CHAT_URL")
         deadline = DEADLINE * timeout if deadline is None and _number(timeout) else deadline
@@ -167,7 +168,8 @@ class ChatClient:
         self.retries, self.backoff, self.max_concurrency = retries, backoff, max_concurrency
         self.deadline, self.max_reply_bytes = deadline, max_reply_bytes
         self.cache = Path(cache_dir) if cache_dir else None
-        self.http = httpx.Client(timeout=timeout, headers={"accept-encoding": "identity"})   # the bytes as sent: capped as sent
+        auth = {"authorization": f"Bearer {api_key}"} if api_key else {}       # never part of the cache key
+        self.http = httpx.Client(timeout=timeout, headers={"accept-encoding": "identity", **auth})   # the bytes as sent: capped as sent
         self.requests = 0                                      # requests sent (cache hits send none)
         self.unsaved = 0                                       # answers the cache could not store (a read-only or full disk)
 
