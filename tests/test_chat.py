@@ -24,3 +24,17 @@ def test_typed_markers_are_text_for_us_and_refused_by_the_export(marker):
     assert ids.count(chat_ids(TOK)["<|assistant|>"]) == 0 and ids.count(chat_ids(TOK)["<|user|>"]) == 1
     with pytest.raises(Exception, match="holds the chat marker"):
         HF.apply_chat_template(conv, tokenize=True)
+
+
+def test_a_malformed_turn_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="turn 1: its content is not Unicode text"):
+        render(TOK, [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "bad \ud800"}])
+
+
+def test_sft_rows_name_a_bad_or_too_long_conversation_by_id_or_index():
+    from openpretrain.posttrain.sft import sft_rows
+    ok = {"id": "a", "messages": [{"role": "user", "content": "Allegra"}, {"role": "assistant", "content": "Grüezi"}]}
+    long = {"messages": [{"role": "user", "content": "Wort " * 200}]}                  # no id
+    assert sft_rows(TOK, [ok, long], 64).dropped == ["#1"]
+    with pytest.raises(ValueError, match="conversation #1: turn 0: its content is not Unicode text"):
+        sft_rows(TOK, [ok, {"messages": [{"role": "user", "content": "\udfff"}]}], 64)

@@ -52,6 +52,10 @@ def check_messages(messages) -> None:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise ValueError(f"turn {i}: {m!r} is not a {{role: {' | '.join(ROLES)}, content: str}} turn")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"turn {i}: its content is not Unicode text (a lone surrogate)") from None
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
     "The conversation's ids in the template, and which of them are targets (assistant content and its <|end|>)."

@@ -63,10 +63,14 @@ def sft_rows(tokenizer, conversations: list[dict], seq_len: int, pack: bool = Tr
             n = seq_len + 1 - len(current[0])
             rows.append((current[0] + [pad] * n, current[1] + [False] * n))
         return [], []
-    for c in conversations:
-        ids, target = render(tokenizer, c["messages"])
+    for i, c in enumerate(conversations):
+        name = c.get("id", f"#{i}") if isinstance(c, dict) else f"#{i}"      # a conversation without an id: its index
+        try:
+            ids, target = render(tokenizer, c.get("messages") if isinstance(c, dict) else c)
+        except ValueError as e:
+            raise ValueError(f"conversation {name}: {e}") from None
         if len(ids) > seq_len + 1:
-            dropped.append(c["id"])
+            dropped.append(name)
             continue
         if not pack or len(current[0]) + len(ids) > seq_len + 1:
             current = flush()
