@@ -21,8 +21,9 @@ from pathlib import Path
 from .core import VERDICTS, ConfigError
 
 # %% auto #0
-__all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'CSS', 'TWINS', 'LEDGER_COLUMNS', 'CLAIM_FIELDS', 'part_of',
-           'chapter_title', 'chapter_claim', 'page_anchors', 'Chapter', 'read_chapter', 'other_presets_html',
+__all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'SAFE_TAGS', 'VOID_TAGS', 'DROPPED_WHOLE', 'SAFE_ATTRS',
+           'CSS_PROPERTIES', 'CSS', 'TWINS', 'LEDGER_COLUMNS', 'CLAIM_FIELDS', 'part_of', 'chapter_title',
+           'chapter_claim', 'sanitize_html', 'page_anchors', 'Chapter', 'read_chapter', 'other_presets_html',
            'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims',
            'sibling_presets', 'index_html', 'render_report']
 
@@ -73,6 +74,111 @@ def _exporter():
     return HTMLExporter(template_name="basic", template_file="pages.html.j2", exclude_input_prompt=True,
                         exclude_output_prompt=True, extra_loaders=[jinja2.DictLoader({"pages.html.j2": TEMPLATE})])
 
+# %% ../../nbs/90a_pages.ipynb #db895be0
+SAFE_TAGS = frozenset("table thead tbody tfoot tr th td caption colgroup col div span p br hr b i em strong u s small "
+                      "sub sup code pre kbd samp var mark abbr q blockquote ul ol li dl dt dd a img".split())
+VOID_TAGS = frozenset("br hr img col".split())  # elements without content or end tag
+DROPPED_WHOLE = frozenset("script style iframe frameset object applet noscript noembed noframes template svg math "
+                          "textarea select title xmp head".split())  # dropped with everything inside them
+SAFE_ATTRS = {"*": {"class", "title", "style", "align", "valign"}, "table": {"border"}, "col": {"span"},
+              "th": {"colspan", "rowspan", "scope", "halign"}, "td": {"colspan", "rowspan"}, "ol": {"start"},
+              "a": {"href"}, "img": {"src", "alt", "width", "height"}}  # halign: pandas' MultiIndex headers
+CSS_PROPERTIES = frozenset("text-align vertical-align color background-color font-weight font-style white-space "
+                           "border padding".split())
+_CSS_VALUE = re.compile(r"[#\w\s.,%+-]*")                      # no ( ) quotes \ / or colon
+_CSS_SELECTOR = re.compile(r"\s*\.dataframe[\w\s.:>*+~-]*")  # pandas' rules, on pandas' tables only
+
+def _safe_declarations(css: str) -> bool:
+    "Is `css` (a style attribute, or the inside of a rule) only `property: value` of `CSS_PROPERTIES`, values plain?"
+    pairs = [d.split(":", 1) for d in css.split(";") if d.strip()]
+    return all(len(p) == 2 and p[0].strip().lower() in CSS_PROPERTIES and _CSS_VALUE.fullmatch(p[1]) for p in pairs)
+
+def _safe_stylesheet(css: str) -> bool:
+    "Is `css` (a `<style>`'s text) only rules on `.dataframe` tables, each with safe declarations?"
+    rules = re.findall(r"([^{}]*)\{([^{}]*)\}", css)
+    return not re.sub(r"[^{}]*\{[^{}]*\}", "", css).strip() and all(
+        all(_CSS_SELECTOR.fullmatch(s) for s in selectors.split(",")) and _safe_declarations(body)
+        for selectors, body in rules)
+
+def _safe_url(url: str, tag: str) -> bool:
+    "A link may go to http(s), a relative path or a fragment; an image only to a relative path (a page fetches nothing)."
+    u = re.sub(r"[\t\n\r]", "", url).strip("".join(map(chr, range(33))))  # what a browser makes of it first
+    scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*):", u)
+    if tag == "img":
+        return not scheme and not re.match(r"[/\\]{2}", u)  # //host/x.png is the network too
+    return not scheme or scheme[1].lower() in ("http", "https")
+
+# %% ../../nbs/90a_pages.ipynb #41eeb9eb
+class _Sanitizer(HTMLParser):
+    "Re-emits the tokens of an HTML fragment that the allow-list keeps; see `sanitize_html`."
+    def __init__(self):
+        super().__init__()
+        self.out, self.open = [], []     # what is kept; the elements it opened and has not closed
+        self.skip, self.depth = None, 0  # an element dropped whole that the parser is inside, and how deep
+        self.css, self.scoped = None, False  # the text of a <style> while inside one, and its `scoped`
+
+    def handle_starttag(self, tag, attrs):
+        if self.skip:
+            self.depth += tag == self.skip  # the same element inside it
+        elif tag == "style":
+            self.css, self.scoped = [], ("scoped", None) in attrs
+        elif tag in DROPPED_WHOLE:
+            self.skip, self.depth = tag, 1
+        elif tag in SAFE_TAGS:
+            self.out.append(f"<{tag}{_safe_attrs(tag, attrs)}>")
+            self.open += [] if tag in VOID_TAGS else [tag]
+
+    def handle_endtag(self, tag):
+        if self.skip:
+            self.depth -= tag == self.skip
+            self.skip = self.skip if self.depth else None
+        elif tag == "style" and self.css is not None:
+            css, self.css = "".join(self.css), None
+            self.out += [f"<style{' scoped' if self.scoped else ''}>{css}</style>"] if _safe_stylesheet(css) else []
+        elif tag in self.open:  # closing it closes what it holds
+            while (last := self.open.pop()) != tag:
+                self.out.append(f"</{last}>")
+            self.out.append(f"</{tag}>")
+
+    def handle_data(self, data):
+        if self.css is not None:
+            self.css.append(data)
+        elif not self.skip:
+            self.out.append(html.escape(data, quote=False))
+
+def _safe_attrs(tag: str, attrs: list[tuple]) -> str:
+    "The attributes of `tag` the allow-list keeps, quoted and escaped."
+    keep = [(k, v) for k, v in attrs if k in SAFE_ATTRS["*"] | SAFE_ATTRS.get(tag, set())
+            and (k != "style" or _safe_declarations(v or "")) and (k not in ("href", "src") or _safe_url(v or "", tag))]
+    return "".join(f" {k}" if v is None else f' {k}="{html.escape(v)}"' for k, v in keep)
+
+def sanitize_html(fragment: str) -> str:
+    "`fragment` (a `text/html` output) with only what `SAFE_TAGS`, `SAFE_ATTRS` and the CSS and URL rules allow."
+    parser = _Sanitizer()
+    parser.feed(fragment)
+    parser.close()
+    return "".join(parser.out) + "".join(f"</{tag}>" for tag in reversed(parser.open))
+
+# %% ../../nbs/90a_pages.ipynb #147f7ba8
+def _safe_output(out: dict) -> None:
+    "Make one output (of a copy) safe to put on a page, in place; see the allow-list above."
+    data, meta = out.get("data", {}), out.get("metadata", {})
+    for mime in SCRIPTED:
+        data.pop(mime, None)
+    if "text/markdown" in data:
+        from nbconvert.filters.markdown_mistune import markdown2html_mistune
+        data.setdefault("text/html", markdown2html_mistune(data.pop("text/markdown")))
+    if "text/html" in data:
+        data["text/html"] = sanitize_html(data["text/html"])
+    meta.pop("text/html", None)  # {'isolated': true}: an <iframe>
+    meta.pop("filenames", None)  # an <img src> to a file beside the page
+    for sizes in (meta, *(v for k, v in meta.items() if k.startswith("image/") and isinstance(v, dict))):
+        for key in [k for k in ("width", "height") if k in sizes and not _is_number(sizes[k])]:
+            del sizes[key]
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 # %% ../../nbs/90a_pages.ipynb #d44ac1d0
 def _summary(cell: dict) -> str:
     lines = [line for line in cell["source"].splitlines() if line.strip()]
@@ -81,15 +187,14 @@ def _summary(cell: dict) -> str:
             else first if len(first) <= 100 else first[:99] + "…")
 
 def _prepare(nb):
-    "A copy of `nb` ready for the template: folded-cell summaries, open flags, no scripted outputs."
+    "A copy of `nb` ready for the template: folded-cell summaries, open flags, outputs made safe (`_safe_output`)."
     nb = json.loads(json.dumps(nb))  # a deep copy as plain dicts; nbconvert accepts them as a NotebookNode
     nb.get("metadata", {}).pop("widgets", None)
     for cell in (c for c in nb["cells"] if c["cell_type"] == "code"):
         cell["metadata"].update(pages_summary=_summary(cell),
                                 pages_open=bool(set(OPEN_TAGS) & set(cell["metadata"].get("tags", []))))
         for out in cell.get("outputs", []):
-            for mime in SCRIPTED:
-                out.get("data", {}).pop(mime, None)
+            _safe_output(out)
             if "image/png" in out.get("data", {}):  # the text Jupyter shows without the image, as its alt text
                 out.setdefault("metadata", {}).setdefault("alt", str(out["data"].get("text/plain", "figure")))
     return _node(nb)
