@@ -3,6 +3,7 @@ import base64
 import contextlib
 import csv
 import io
+import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -340,3 +341,45 @@ def test_a_pandas_table_passes_the_allow_list_as_pandas_wrote_it():
     for table in (frame._repr_html_(), frame.droplevel(0, axis=1).to_html(), frame.to_html(notebook=True)):
         assert "&nbsp;" in table  # pandas' runs of spaces: kept as the character they stand for
         assert sanitize_html(table) == table.replace("&nbsp;", "\N{NO-BREAK SPACE}")
+
+
+# A damaged output folder is one line and exit status 2, and nothing is written.
+
+def with_manifest(**change):
+    "Damage the manifest: top-level keys of `change` replace the manifest's (None deletes), `seconds` the demo run's."
+    def damage(out: Path):
+        m = json.loads((out / "manifest.json").read_text())
+        if "seconds" in change:
+            m["runs"]["03_demo"]["seconds"] = change.pop("seconds")
+        m.update(change)
+        (out / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if v is not None}))
+    return damage
+
+
+def write(name: str, text: str):
+    return lambda out: (out / name).write_text(text)
+
+
+DAMAGE = {  # what is wrong → (how to do it to a folder, what the one line says)
+    "pages is a file": (write("pages", "x"), "pages is a file, not the pages folder"),
+    "index.html is a folder": (lambda out: (out / "index.html").mkdir(), "index.html is a folder where the report"),
+    "a page is a folder": (lambda out: (out / "pages" / "03_demo.html").mkdir(parents=True), "03_demo.html is a folder"),
+    "the manifest is not JSON": (write("manifest.json", '{"preset": "tiny",'), "manifest.json is not a manifest (Expect"),
+    "the manifest is not an object": (write("manifest.json", "[]"), "manifest.json is not a manifest ([] is not an"),
+    "a notebook is not JSON": (write("notebooks/05_x.ipynb", "{not json"), "05_x.ipynb is not a notebook"),
+    "a notebook is not a notebook": (write("notebooks/05_x.ipynb", '{"cells": 3}'), "05_x.ipynb is not a notebook"),
+    "a notebook has no chapter number": (lambda out: shutil.copy(out / "notebooks" / "03_demo.ipynb", out / "notebooks" / "scratch.ipynb"),
+                                         "scratch.ipynb: not a chapter's name"),
+    "seconds is not a number": (with_manifest(seconds="fast"), "runs.03_demo.seconds is 'fast', not a number"),
+    "the manifest has no preset": (with_manifest(preset=None), "(preset is missing, not text)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_output_folder_is_one_line_and_exit_status_2(report, damage, capsys):
+    do, says = DAMAGE[damage]
+    do(report)
+    assert main(["report", "--pages", "--outputs", str(report.parent), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openpretrain report: ") and err.count("\n") == 1 and says in err, err
+    assert not (report / "index.html").is_file() and not (report / "claims.csv").exists()  # nothing written

@@ -14,6 +14,7 @@ import html
 import io
 import json
 import re
+import reprlib
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -22,8 +23,9 @@ from .core import VERDICTS, ConfigError
 
 # %% auto #0
 __all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'SAFE_TAGS', 'VOID_TAGS', 'DROPPED_WHOLE', 'SAFE_ATTRS',
-           'CSS_PROPERTIES', 'CSS', 'TWINS', 'LEDGER_COLUMNS', 'CLAIM_FIELDS', 'part_of', 'chapter_title',
-           'chapter_claim', 'sanitize_html', 'page_anchors', 'Chapter', 'read_chapter', 'other_presets_html',
+           'CSS_PROPERTIES', 'CHAPTER', 'RUN_FIELDS', 'ARTIFACT_FIELDS', 'CSS', 'TWINS', 'LEDGER_COLUMNS',
+           'CLAIM_FIELDS', 'part_of', 'chapter_title', 'chapter_claim', 'sanitize_html', 'page_anchors',
+           'read_manifest', 'read_notebook', 'chapter_notebooks', 'Chapter', 'read_chapter', 'other_presets_html',
            'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims',
            'sibling_presets', 'index_html', 'render_report']
 
@@ -225,6 +227,65 @@ def page_anchors(page: str) -> _Anchors:
     "Parse `page` (HTML): `.ids`, `.headings` (cell id → its headings' ids) and `.refs` (every href and src)."
     return _Anchors(page)
 
+# %% ../../nbs/90a_pages.ipynb #bdafcaed
+CHAPTER = re.compile(r"\d\d[a-z]?_\w+")  # a chapter notebook's stem, e.g. 04a_pipeline
+RUN_FIELDS = {"commit": (str, "text"), "seconds": ((int, float), "a number")}  # of manifest runs[chapter]
+ARTIFACT_FIELDS = {"path": (str, "text"), "kind": (str, "text"), "chapter": (str, "text"), "bytes": (int, "a whole number")}
+
+def _fields_problem(where: str, value, fields: dict) -> str:
+    "What is wrong with `value`, found at `where`, as an object with `fields` (name → (types, what they are)); or ''."
+    if not isinstance(value, dict):
+        return f"{where.rstrip('.')} is {reprlib.repr(value)}, not an object"
+    for name, (types, what) in fields.items():
+        v = value.get(name)
+        if not isinstance(v, types) or isinstance(v, bool):
+            return f"{where}{name} is {'missing' if v is None else reprlib.repr(v)}, not {what}"
+    return ""
+
+def _manifest_problem(m) -> str:
+    "What keeps `m`, a parsed manifest.json, from being rendered; or ''."
+    if not isinstance(m, dict):
+        return f"{reprlib.repr(m)} is not an object"
+    for key, kind, what in (("runs", dict, "an object"), ("artifacts", list, "a list"), ("tracked_changes", list, "a list")):
+        if not isinstance(m.get(key, kind()), kind):
+            return f"{key} is {reprlib.repr(m[key])}, not {what}"
+    problems = [_fields_problem("", m, {"preset": (str, "text")}),
+                *(_fields_problem(f"runs.{k}.", run, RUN_FIELDS) for k, run in m.get("runs", {}).items()),
+                *(_fields_problem(f"artifacts[{i}].", a, ARTIFACT_FIELDS) for i, a in enumerate(m.get("artifacts", [])))]
+    return next((p for p in problems if p), "")
+
+def read_manifest(path: Path, fix: str = "rerun `openpretrain report`") -> dict:
+    "The manifest at `path`, checked to hold what the pages print; anything else is one ConfigError ending in `fix`."
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not a manifest ({e}): {fix}") from None
+    if problem := _manifest_problem(m):
+        raise ConfigError(f"{path} is not a manifest ({problem}): {fix}")
+    return m
+
+# %% ../../nbs/90a_pages.ipynb #90657894
+def read_notebook(path: Path):
+    "The executed notebook at `path`, nbformat 4 that passes nbformat's schema; anything else is one ConfigError."
+    import nbformat
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(nb, dict) or nb.get("nbformat") != 4:
+            raise ValueError("not nbformat 4 JSON")
+        nbformat.validate(nb)
+    except (OSError, ValueError, nbformat.ValidationError) as e:
+        why = (getattr(e, "message", None) or str(e) or type(e).__name__).splitlines()[0][:200]
+        raise ConfigError(f"{path} is not a notebook ({why}): rerun its chapter") from None
+    return nbformat.v4.to_notebook(nb)  # what nbformat.read gives: a NotebookNode, multi-line strings joined
+
+def chapter_notebooks(out: Path) -> list[Path]:
+    "The executed notebooks in `out`/notebooks, in report order; one not named as a chapter is a ConfigError."
+    paths = sorted((out / "notebooks").glob("*.ipynb"))
+    if odd := [p.name for p in paths if not CHAPTER.fullmatch(p.stem)]:
+        raise ConfigError(f"{out / 'notebooks'}: {', '.join(odd)}: not a chapter's name (NN_name.ipynb, like "
+                          "05_tokenizers.ipynb): rename or remove it")
+    return paths
+
 # %% ../../nbs/90a_pages.ipynb #be80f161
 @dataclass
 class Chapter:
@@ -238,8 +299,7 @@ class Chapter:
 
 def read_chapter(path: Path, manifest: dict, others: str = "") -> Chapter:
     "Convert the executed notebook at `path` into its page, with title, claim and anchors; `others`: HTML after it."
-    import nbformat
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     body, _ = _exporter().from_notebook_node(_prepare(nb))
     page = _page(path.stem, chapter_title(nb), body + others, manifest)
     return Chapter(path.stem, chapter_title(nb), chapter_claim(nb), page, page_anchors(page), nb)
@@ -301,10 +361,7 @@ def other_presets_html(out: Path, chapter: str) -> str:
         other = out.parent / preset
         if other == out or not (other / "notebooks" / f"{chapter}.ipynb").is_file():
             continue
-        try:
-            run = json.loads((other / "manifest.json").read_text()).get("runs", {}).get(chapter)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{other / 'manifest.json'} is not a manifest ({e}): rerun or remove that preset's report") from None
+        run = read_manifest(other / "manifest.json", "rerun or remove that preset's report").get("runs", {}).get(chapter)
         ran = f"commit <code>{esc(run['commit'][:12])}</code>, {run['seconds']:.0f} s" if run else "not timed"
         tables = []
         for t in sorted((other / "tables").glob(f"{chapter}-paper-vs-ours*.csv")):
@@ -466,13 +523,23 @@ def index_html(out: Path, manifest: dict, chapters: list[Chapter], rows: list[di
             f"{_ledger_html(rows)}\n{_contents_html(chapters, manifest, rows)}\n{_run_html(out, manifest)}\n</body></html>\n")
 
 # %% ../../nbs/90a_pages.ipynb #e45e2d9c
+def _check_targets(out: Path, chapters: list[str]) -> None:
+    "Refuse, before rendering, an output folder where something else sits in the place of what the report writes."
+    pages = out / "pages"
+    if pages.exists() and not pages.is_dir():
+        raise ConfigError(f"{pages} is a file, not the pages folder: move it away and render again")
+    for path in (out / "index.html", out / "claims.csv", out / "claims.md", *(pages / f"{c}.html" for c in chapters)):
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder where the report writes a file: move it away and render again")
+
 def render_report(out_dir: str | Path) -> Path:
     "Render `out_dir` (outputs/<preset>/): pages/<chapter>.html, claims.csv, claims.md, index.html; returns the index."
     out = Path(out_dir)
     if not (out / "manifest.json").is_file():
         raise ConfigError(f"no report to render in {out}: manifest.json is missing (run `openpretrain report`)")
-    manifest = json.loads((out / "manifest.json").read_text())
-    chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in sorted((out / "notebooks").glob("*.ipynb"))]
+    manifest, notebooks = read_manifest(out / "manifest.json"), chapter_notebooks(out)
+    _check_targets(out, [p.stem for p in notebooks])
+    chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in notebooks]
     rows = read_claims(out, {ch.name: ch for ch in chapters})
     pages = out / "pages"
     pages.mkdir(exist_ok=True)
