@@ -383,3 +383,26 @@ def test_a_damaged_output_folder_is_one_line_and_exit_status_2(report, damage, c
     err = capsys.readouterr().err
     assert err.startswith("openpretrain report: ") and err.count("\n") == 1 and says in err, err
     assert not (report / "index.html").is_file() and not (report / "claims.csv").exists()  # nothing written
+
+
+# A failed write leaves the page it would have replaced whole.
+
+@contextlib.contextmanager
+def disk_full_at(size: int):
+    "Files cannot grow past `size` bytes in this process (RLIMIT_FSIZE): a write past it fails as on a full disk."
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_full_disk_leaves_every_page_whole(report):
+    render_report(report)
+    before = {p: p.read_bytes() for p in sorted(report.rglob("*")) if p.is_file()}
+    assert min(len(b) for p, b in before.items() if p.suffix == ".html") > 4096
+    with pytest.raises(ConfigError, match=r"cannot write .*03_demo\.html: File too large"), disk_full_at(4096):
+        render_report(report)
+    assert {p: p.read_bytes() for p in sorted(report.rglob("*")) if p.is_file()} == before  # no temporary file left

@@ -13,8 +13,10 @@ import functools
 import html
 import io
 import json
+import os
 import re
 import reprlib
+import uuid
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -26,8 +28,8 @@ __all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'SAFE_TAGS', 'VOID_TAGS
            'CSS_PROPERTIES', 'CHAPTER', 'RUN_FIELDS', 'ARTIFACT_FIELDS', 'CSS', 'TWINS', 'LEDGER_COLUMNS',
            'CLAIM_FIELDS', 'part_of', 'chapter_title', 'chapter_claim', 'sanitize_html', 'page_anchors',
            'read_manifest', 'read_notebook', 'chapter_notebooks', 'Chapter', 'read_chapter', 'other_presets_html',
-           'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims',
-           'sibling_presets', 'index_html', 'render_report']
+           'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_atomic',
+           'write_claims', 'sibling_presets', 'index_html', 'render_report']
 
 # %% ../../nbs/90a_pages.ipynb #669faac1
 PARTS = (  # (part of the report, number of its first chapter); a part runs up to the next part's first number
@@ -434,6 +436,21 @@ def verdict_counts(rows: list[dict]) -> dict[str, int]:
     "How many ledger rows have each verdict, in `VERDICTS` order (zeros included)."
     return {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
 
+# %% ../../nbs/90a_pages.ipynb #b4ee8879
+def write_atomic(path: Path, text: str) -> None:
+    "Write `text` (UTF-8) to `path` whole or not at all: a temporary file beside it, synced, then renamed over it."
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:  # a new file, with the mode a plain write gives
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
 # %% ../../nbs/90a_pages.ipynb #748050bf
 def _md_cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
@@ -444,12 +461,12 @@ def write_claims(out: Path, rows: list[dict], preset: str) -> None:
     writer = csv.DictWriter(buf, CLAIM_FIELDS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    (out / "claims.csv").write_text(buf.getvalue(), encoding="utf-8")
+    write_atomic(out / "claims.csv", buf.getvalue())
     counts = " · ".join(f"{v}: {n}" for v, n in verdict_counts(rows).items())
     lines = [f"# Claims ledger — preset {preset}", "", f"{len(rows)} claims — {counts}", "",
              "| " + " | ".join(CLAIM_FIELDS) + " |", "|" + "---|" * len(CLAIM_FIELDS)]
     lines += ["| " + " | ".join(_md_cell(r[k]) for k in CLAIM_FIELDS) + " |" for r in rows]
-    (out / "claims.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(out / "claims.md", "\n".join(lines) + "\n")
 
 # %% ../../nbs/90a_pages.ipynb #2228fcfe
 def _md(text: str, inline: bool = False) -> str:
@@ -532,6 +549,17 @@ def _check_targets(out: Path, chapters: list[str]) -> None:
         if path.is_dir():
             raise ConfigError(f"{path} is a folder where the report writes a file: move it away and render again")
 
+def _write_pages(pages: Path, chapters: list[Chapter]) -> None:
+    "Each chapter's page, written whole; the pages of chapters no longer in the folder removed."
+    try:
+        pages.mkdir(exist_ok=True)
+        for stale in {p for p in pages.glob("*.html") if p.is_file()} - {pages / f"{ch.name}.html" for ch in chapters}:
+            stale.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write {pages}: {e.strerror or e}") from None
+    for ch in chapters:
+        write_atomic(pages / f"{ch.name}.html", ch.page)
+
 def render_report(out_dir: str | Path) -> Path:
     "Render `out_dir` (outputs/<preset>/): pages/<chapter>.html, claims.csv, claims.md, index.html; returns the index."
     out = Path(out_dir)
@@ -541,12 +569,7 @@ def render_report(out_dir: str | Path) -> Path:
     _check_targets(out, [p.stem for p in notebooks])
     chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in notebooks]
     rows = read_claims(out, {ch.name: ch for ch in chapters})
-    pages = out / "pages"
-    pages.mkdir(exist_ok=True)
-    for stale in set(pages.glob("*.html")) - {pages / f"{ch.name}.html" for ch in chapters}:
-        stale.unlink()
-    for ch in chapters:
-        (pages / f"{ch.name}.html").write_text(ch.page, encoding="utf-8")
+    _write_pages(out / "pages", chapters)
     write_claims(out, rows, manifest["preset"])
-    (out / "index.html").write_text(index_html(out, manifest, chapters, rows), encoding="utf-8")
+    write_atomic(out / "index.html", index_html(out, manifest, chapters, rows))
     return out / "index.html"
