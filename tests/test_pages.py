@@ -3,6 +3,7 @@ import base64
 import contextlib
 import csv
 import io
+import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -263,3 +264,145 @@ def test_a_browser_shows_the_committed_report(tmp_path):
     for chapter in ("05_tokenizers", "11a_ablation"):
         shot = screenshot(COMMITTED / "pages" / f"{chapter}.html", f"tiny-{chapter}", tmp_path)
         assert ink(shot, (0, 0, 1280, 2000)) > 0.02
+
+
+# Outputs are data: what a chapter displays at run time reaches its page through an allow-list.
+
+ATTACKS = ["<script>alert('script')</script>", "<img src=x onerror=alert('onerror')>",
+           "<a href=' JaVa\tScript:alert(\"href\")'>js</a>", "<a href='data:text/html,alert(1)'>data</a>",
+           "<iframe src='https://example.org/'><p>alert('iframe')</p></iframe>", "<object data=x></object>",
+           "<embed src='x.swf'>", "<svg onload=alert('svg')><script>alert('svg')</script></svg>",
+           "<style>body{background:url('https://example.org/alert(1)')}</style>",
+           "<style>.dataframe td{width:expression(alert('css'))}</style>",
+           "<div style='background:url(javascript:alert(1))' onmouseover=\"alert('div')\">hover</div>",
+           "<p title='&quot; onclick=&quot;steal()'>quoted</p>", "<img src='https://example.org/pixel.png'>",
+           "<base href='https://example.org/'><meta http-equiv=refresh content='0;url=javascript:alert(1)'>",
+           "</div></div></main><b>outside</b>"]
+
+
+class Elements(HTMLParser):
+    "Every start tag of a page with its attributes."
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def output_page(report: Path, *outputs) -> str:
+    "The page of a chapter `05_outputs` whose one code cell has `outputs`."
+    cells = [new_markdown_cell("# 05 · Outputs"), new_code_cell("show()", outputs=list(outputs))]
+    nbformat.write(new_notebook(cells=cells), report / "notebooks" / "05_outputs.ipynb")
+    render_report(report)
+    return (report / "pages" / "05_outputs.html").read_text()
+
+
+def test_an_html_output_reaches_its_page_without_scripts_handlers_or_foreign_urls(report):
+    html_output = new_output("display_data", data={"text/plain": "<HTML>", "text/html": "".join(
+        ATTACKS) + "<p>kept <b>bold</b> <a href='https://example.org/a?b=1&amp;c=2'>link</a> <a href='#x'>here</a></p>"})
+    page = output_page(report, html_output)
+    tags = Elements(page).tags
+    assert "alert(" not in page and "example.org/pixel" not in page and "expression" not in page
+    assert not {t for t, _ in tags} & {"script", "iframe", "object", "embed", "svg", "base"}
+    assert [t for t, _ in tags].count("style") == [t for t, _ in tags].count("meta") == 1  # the page's own
+    assert not [k for _, a in tags for k in a if k.startswith("on")]
+    hrefs = {a["href"] for t, a in tags if t == "a" and "href" in a}
+    assert {"https://example.org/a?b=1&c=2", "#x"} <= hrefs and all(urlsplit(h).scheme in ("", "http", "https") for h in hrefs)
+    assert "<p>kept <b>bold</b> <a href=\"https://example.org/a?b=1&amp;c=2\">link</a>" in page
+    assert page.count("<div") == page.count("</div>") and page.count("</main>") == 1  # nothing closed ours
+    assert "<b>outside</b>" in page and "hover</div>" in page  # text and safe tags stay, their attributes go
+
+
+def test_a_markdown_output_passes_the_same_allow_list(report):
+    md = new_output("display_data", data={"text/plain": "md", "text/markdown": "**bold** <script>alert(1)</script>"
+                                                                             "<img src=x onerror=alert(2)>"})
+    page = output_page(report, md)
+    assert "<strong>bold</strong>" in page and "alert(" not in page and "<script" not in page
+
+
+def test_an_image_size_that_is_not_a_number_never_reaches_the_img_tag(report):
+    figure = new_output("display_data", data={"image/png": png((4, 4)), "text/plain": "<Figure>"},
+                        metadata={"image/png": {"width": "1 onerror=alert(1)", "height": 40},
+                                  "filenames": {"image/png": "https://example.org/x.png"}})
+    page = output_page(report, figure)
+    (img,) = [a for t, a in Elements(page).tags if t == "img"]
+    assert set(img) == {"src", "height", "alt"} and img["src"].startswith("data:image/png;base64,")
+    assert img["height"] == "40" and "alert(" not in page
+
+
+def test_a_pandas_table_passes_the_allow_list_as_pandas_wrote_it():
+    import pandas as pd
+
+    from openpretrain.pages import sanitize_html
+    frame = pd.DataFrame([[1, "a < b & c", None], [2, "runs   of  spaces", 0.5]], index=pd.Index(["r", "s"], name="row"),
+                         columns=pd.MultiIndex.from_tuples([("n", "i"), ("n", "text"), ("f", "x")]))
+    for table in (frame._repr_html_(), frame.droplevel(0, axis=1).to_html(), frame.to_html(notebook=True)):
+        assert "&nbsp;" in table  # pandas' runs of spaces: kept as the character they stand for
+        assert sanitize_html(table) == table.replace("&nbsp;", "\N{NO-BREAK SPACE}")
+
+
+# A damaged output folder is one line and exit status 2, and nothing is written.
+
+def with_manifest(**change):
+    "Damage the manifest: top-level keys of `change` replace the manifest's (None deletes), `seconds` the demo run's."
+    def damage(out: Path):
+        m = json.loads((out / "manifest.json").read_text())
+        if "seconds" in change:
+            m["runs"]["03_demo"]["seconds"] = change.pop("seconds")
+        m.update(change)
+        (out / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if v is not None}))
+    return damage
+
+
+def write(name: str, text: str):
+    return lambda out: (out / name).write_text(text)
+
+
+DAMAGE = {  # what is wrong → (how to do it to a folder, what the one line says)
+    "pages is a file": (write("pages", "x"), "pages is a file, not the pages folder"),
+    "index.html is a folder": (lambda out: (out / "index.html").mkdir(), "index.html is a folder where the report"),
+    "a page is a folder": (lambda out: (out / "pages" / "03_demo.html").mkdir(parents=True), "03_demo.html is a folder"),
+    "the manifest is not JSON": (write("manifest.json", '{"preset": "tiny",'), "manifest.json is not a manifest (Expect"),
+    "the manifest is not an object": (write("manifest.json", "[]"), "manifest.json is not a manifest ([] is not an"),
+    "a notebook is not JSON": (write("notebooks/05_x.ipynb", "{not json"), "05_x.ipynb is not a notebook"),
+    "a notebook is not a notebook": (write("notebooks/05_x.ipynb", '{"cells": 3}'), "05_x.ipynb is not a notebook"),
+    "a notebook has no chapter number": (lambda out: shutil.copy(out / "notebooks" / "03_demo.ipynb", out / "notebooks" / "scratch.ipynb"),
+                                         "scratch.ipynb: not a chapter's name"),
+    "seconds is not a number": (with_manifest(seconds="fast"), "runs.03_demo.seconds is 'fast', not a number"),
+    "the manifest has no preset": (with_manifest(preset=None), "(preset is missing, not text)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_output_folder_is_one_line_and_exit_status_2(report, damage, capsys):
+    do, says = DAMAGE[damage]
+    do(report)
+    assert main(["report", "--pages", "--outputs", str(report.parent), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("openpretrain report: ") and err.count("\n") == 1 and says in err, err
+    assert not (report / "index.html").is_file() and not (report / "claims.csv").exists()  # nothing written
+
+
+# A failed write leaves the page it would have replaced whole.
+
+@contextlib.contextmanager
+def disk_full_at(size: int):
+    "Files cannot grow past `size` bytes in this process (RLIMIT_FSIZE): a write past it fails as on a full disk."
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_full_disk_leaves_every_page_whole(report):
+    render_report(report)
+    before = {p: p.read_bytes() for p in sorted(report.rglob("*")) if p.is_file()}
+    assert min(len(b) for p, b in before.items() if p.suffix == ".html") > 4096
+    with pytest.raises(ConfigError, match=r"cannot write .*03_demo\.html: File too large"), disk_full_at(4096):
+        render_report(report)
+    assert {p: p.read_bytes() for p in sorted(report.rglob("*")) if p.is_file()} == before  # no temporary file left

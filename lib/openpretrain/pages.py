@@ -13,7 +13,10 @@ import functools
 import html
 import io
 import json
+import os
 import re
+import reprlib
+import uuid
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -21,10 +24,12 @@ from pathlib import Path
 from .core import VERDICTS, ConfigError
 
 # %% auto #0
-__all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'CSS', 'TWINS', 'LEDGER_COLUMNS', 'CLAIM_FIELDS', 'part_of',
-           'chapter_title', 'chapter_claim', 'page_anchors', 'Chapter', 'read_chapter', 'other_presets_html',
-           'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_claims',
-           'sibling_presets', 'index_html', 'render_report']
+__all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'SAFE_TAGS', 'VOID_TAGS', 'DROPPED_WHOLE', 'SAFE_ATTRS',
+           'CSS_PROPERTIES', 'CHAPTER', 'RUN_FIELDS', 'ARTIFACT_FIELDS', 'CSS', 'TWINS', 'LEDGER_COLUMNS',
+           'CLAIM_FIELDS', 'part_of', 'chapter_title', 'chapter_claim', 'sanitize_html', 'page_anchors',
+           'read_manifest', 'read_notebook', 'chapter_notebooks', 'Chapter', 'read_chapter', 'other_presets_html',
+           'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_atomic',
+           'write_claims', 'sibling_presets', 'index_html', 'render_report']
 
 # %% ../../nbs/90a_pages.ipynb #669faac1
 PARTS = (  # (part of the report, number of its first chapter); a part runs up to the next part's first number
@@ -73,6 +78,111 @@ def _exporter():
     return HTMLExporter(template_name="basic", template_file="pages.html.j2", exclude_input_prompt=True,
                         exclude_output_prompt=True, extra_loaders=[jinja2.DictLoader({"pages.html.j2": TEMPLATE})])
 
+# %% ../../nbs/90a_pages.ipynb #db895be0
+SAFE_TAGS = frozenset("table thead tbody tfoot tr th td caption colgroup col div span p br hr b i em strong u s small "
+                      "sub sup code pre kbd samp var mark abbr q blockquote ul ol li dl dt dd a img".split())
+VOID_TAGS = frozenset("br hr img col".split())  # elements without content or end tag
+DROPPED_WHOLE = frozenset("script style iframe frameset object applet noscript noembed noframes template svg math "
+                          "textarea select title xmp head".split())  # dropped with everything inside them
+SAFE_ATTRS = {"*": {"class", "title", "style", "align", "valign"}, "table": {"border"}, "col": {"span"},
+              "th": {"colspan", "rowspan", "scope", "halign"}, "td": {"colspan", "rowspan"}, "ol": {"start"},
+              "a": {"href"}, "img": {"src", "alt", "width", "height"}}  # halign: pandas' MultiIndex headers
+CSS_PROPERTIES = frozenset("text-align vertical-align color background-color font-weight font-style white-space "
+                           "border padding".split())
+_CSS_VALUE = re.compile(r"[#\w\s.,%+-]*")                      # no ( ) quotes \ / or colon
+_CSS_SELECTOR = re.compile(r"\s*\.dataframe[\w\s.:>*+~-]*")  # pandas' rules, on pandas' tables only
+
+def _safe_declarations(css: str) -> bool:
+    "Is `css` (a style attribute, or the inside of a rule) only `property: value` of `CSS_PROPERTIES`, values plain?"
+    pairs = [d.split(":", 1) for d in css.split(";") if d.strip()]
+    return all(len(p) == 2 and p[0].strip().lower() in CSS_PROPERTIES and _CSS_VALUE.fullmatch(p[1]) for p in pairs)
+
+def _safe_stylesheet(css: str) -> bool:
+    "Is `css` (a `<style>`'s text) only rules on `.dataframe` tables, each with safe declarations?"
+    rules = re.findall(r"([^{}]*)\{([^{}]*)\}", css)
+    return not re.sub(r"[^{}]*\{[^{}]*\}", "", css).strip() and all(
+        all(_CSS_SELECTOR.fullmatch(s) for s in selectors.split(",")) and _safe_declarations(body)
+        for selectors, body in rules)
+
+def _safe_url(url: str, tag: str) -> bool:
+    "A link may go to http(s), a relative path or a fragment; an image only to a relative path (a page fetches nothing)."
+    u = re.sub(r"[\t\n\r]", "", url).strip("".join(map(chr, range(33))))  # what a browser makes of it first
+    scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*):", u)
+    if tag == "img":
+        return not scheme and not re.match(r"[/\\]{2}", u)  # //host/x.png is the network too
+    return not scheme or scheme[1].lower() in ("http", "https")
+
+# %% ../../nbs/90a_pages.ipynb #41eeb9eb
+class _Sanitizer(HTMLParser):
+    "Re-emits the tokens of an HTML fragment that the allow-list keeps; see `sanitize_html`."
+    def __init__(self):
+        super().__init__()
+        self.out, self.open = [], []     # what is kept; the elements it opened and has not closed
+        self.skip, self.depth = None, 0  # an element dropped whole that the parser is inside, and how deep
+        self.css, self.scoped = None, False  # the text of a <style> while inside one, and its `scoped`
+
+    def handle_starttag(self, tag, attrs):
+        if self.skip:
+            self.depth += tag == self.skip  # the same element inside it
+        elif tag == "style":
+            self.css, self.scoped = [], ("scoped", None) in attrs
+        elif tag in DROPPED_WHOLE:
+            self.skip, self.depth = tag, 1
+        elif tag in SAFE_TAGS:
+            self.out.append(f"<{tag}{_safe_attrs(tag, attrs)}>")
+            self.open += [] if tag in VOID_TAGS else [tag]
+
+    def handle_endtag(self, tag):
+        if self.skip:
+            self.depth -= tag == self.skip
+            self.skip = self.skip if self.depth else None
+        elif tag == "style" and self.css is not None:
+            css, self.css = "".join(self.css), None
+            self.out += [f"<style{' scoped' if self.scoped else ''}>{css}</style>"] if _safe_stylesheet(css) else []
+        elif tag in self.open:  # closing it closes what it holds
+            while (last := self.open.pop()) != tag:
+                self.out.append(f"</{last}>")
+            self.out.append(f"</{tag}>")
+
+    def handle_data(self, data):
+        if self.css is not None:
+            self.css.append(data)
+        elif not self.skip:
+            self.out.append(html.escape(data, quote=False))
+
+def _safe_attrs(tag: str, attrs: list[tuple]) -> str:
+    "The attributes of `tag` the allow-list keeps, quoted and escaped."
+    keep = [(k, v) for k, v in attrs if k in SAFE_ATTRS["*"] | SAFE_ATTRS.get(tag, set())
+            and (k != "style" or _safe_declarations(v or "")) and (k not in ("href", "src") or _safe_url(v or "", tag))]
+    return "".join(f" {k}" if v is None else f' {k}="{html.escape(v)}"' for k, v in keep)
+
+def sanitize_html(fragment: str) -> str:
+    "`fragment` (a `text/html` output) with only what `SAFE_TAGS`, `SAFE_ATTRS` and the CSS and URL rules allow."
+    parser = _Sanitizer()
+    parser.feed(fragment)
+    parser.close()
+    return "".join(parser.out) + "".join(f"</{tag}>" for tag in reversed(parser.open))
+
+# %% ../../nbs/90a_pages.ipynb #147f7ba8
+def _safe_output(out: dict) -> None:
+    "Make one output (of a copy) safe to put on a page, in place; see the allow-list above."
+    data, meta = out.get("data", {}), out.get("metadata", {})
+    for mime in SCRIPTED:
+        data.pop(mime, None)
+    if "text/markdown" in data:
+        from nbconvert.filters.markdown_mistune import markdown2html_mistune
+        data.setdefault("text/html", markdown2html_mistune(data.pop("text/markdown")))
+    if "text/html" in data:
+        data["text/html"] = sanitize_html(data["text/html"])
+    meta.pop("text/html", None)  # {'isolated': true}: an <iframe>
+    meta.pop("filenames", None)  # an <img src> to a file beside the page
+    for sizes in (meta, *(v for k, v in meta.items() if k.startswith("image/") and isinstance(v, dict))):
+        for key in [k for k in ("width", "height") if k in sizes and not _is_number(sizes[k])]:
+            del sizes[key]
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 # %% ../../nbs/90a_pages.ipynb #d44ac1d0
 def _summary(cell: dict) -> str:
     lines = [line for line in cell["source"].splitlines() if line.strip()]
@@ -81,15 +191,14 @@ def _summary(cell: dict) -> str:
             else first if len(first) <= 100 else first[:99] + "…")
 
 def _prepare(nb):
-    "A copy of `nb` ready for the template: folded-cell summaries, open flags, no scripted outputs."
+    "A copy of `nb` ready for the template: folded-cell summaries, open flags, outputs made safe (`_safe_output`)."
     nb = json.loads(json.dumps(nb))  # a deep copy as plain dicts; nbconvert accepts them as a NotebookNode
     nb.get("metadata", {}).pop("widgets", None)
     for cell in (c for c in nb["cells"] if c["cell_type"] == "code"):
         cell["metadata"].update(pages_summary=_summary(cell),
                                 pages_open=bool(set(OPEN_TAGS) & set(cell["metadata"].get("tags", []))))
         for out in cell.get("outputs", []):
-            for mime in SCRIPTED:
-                out.get("data", {}).pop(mime, None)
+            _safe_output(out)
             if "image/png" in out.get("data", {}):  # the text Jupyter shows without the image, as its alt text
                 out.setdefault("metadata", {}).setdefault("alt", str(out["data"].get("text/plain", "figure")))
     return _node(nb)
@@ -120,6 +229,65 @@ def page_anchors(page: str) -> _Anchors:
     "Parse `page` (HTML): `.ids`, `.headings` (cell id → its headings' ids) and `.refs` (every href and src)."
     return _Anchors(page)
 
+# %% ../../nbs/90a_pages.ipynb #bdafcaed
+CHAPTER = re.compile(r"\d\d[a-z]?_\w+")  # a chapter notebook's stem, e.g. 04a_pipeline
+RUN_FIELDS = {"commit": (str, "text"), "seconds": ((int, float), "a number")}  # of manifest runs[chapter]
+ARTIFACT_FIELDS = {"path": (str, "text"), "kind": (str, "text"), "chapter": (str, "text"), "bytes": (int, "a whole number")}
+
+def _fields_problem(where: str, value, fields: dict) -> str:
+    "What is wrong with `value`, found at `where`, as an object with `fields` (name → (types, what they are)); or ''."
+    if not isinstance(value, dict):
+        return f"{where.rstrip('.')} is {reprlib.repr(value)}, not an object"
+    for name, (types, what) in fields.items():
+        v = value.get(name)
+        if not isinstance(v, types) or isinstance(v, bool):
+            return f"{where}{name} is {'missing' if v is None else reprlib.repr(v)}, not {what}"
+    return ""
+
+def _manifest_problem(m) -> str:
+    "What keeps `m`, a parsed manifest.json, from being rendered; or ''."
+    if not isinstance(m, dict):
+        return f"{reprlib.repr(m)} is not an object"
+    for key, kind, what in (("runs", dict, "an object"), ("artifacts", list, "a list"), ("tracked_changes", list, "a list")):
+        if not isinstance(m.get(key, kind()), kind):
+            return f"{key} is {reprlib.repr(m[key])}, not {what}"
+    problems = [_fields_problem("", m, {"preset": (str, "text")}),
+                *(_fields_problem(f"runs.{k}.", run, RUN_FIELDS) for k, run in m.get("runs", {}).items()),
+                *(_fields_problem(f"artifacts[{i}].", a, ARTIFACT_FIELDS) for i, a in enumerate(m.get("artifacts", [])))]
+    return next((p for p in problems if p), "")
+
+def read_manifest(path: Path, fix: str = "rerun `openpretrain report`") -> dict:
+    "The manifest at `path`, checked to hold what the pages print; anything else is one ConfigError ending in `fix`."
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not a manifest ({e}): {fix}") from None
+    if problem := _manifest_problem(m):
+        raise ConfigError(f"{path} is not a manifest ({problem}): {fix}")
+    return m
+
+# %% ../../nbs/90a_pages.ipynb #90657894
+def read_notebook(path: Path):
+    "The executed notebook at `path`, nbformat 4 that passes nbformat's schema; anything else is one ConfigError."
+    import nbformat
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(nb, dict) or nb.get("nbformat") != 4:
+            raise ValueError("not nbformat 4 JSON")
+        nbformat.validate(nb)
+    except (OSError, ValueError, nbformat.ValidationError) as e:
+        why = (getattr(e, "message", None) or str(e) or type(e).__name__).splitlines()[0][:200]
+        raise ConfigError(f"{path} is not a notebook ({why}): rerun its chapter") from None
+    return nbformat.v4.to_notebook(nb)  # what nbformat.read gives: a NotebookNode, multi-line strings joined
+
+def chapter_notebooks(out: Path) -> list[Path]:
+    "The executed notebooks in `out`/notebooks, in report order; one not named as a chapter is a ConfigError."
+    paths = sorted((out / "notebooks").glob("*.ipynb"))
+    if odd := [p.name for p in paths if not CHAPTER.fullmatch(p.stem)]:
+        raise ConfigError(f"{out / 'notebooks'}: {', '.join(odd)}: not a chapter's name (NN_name.ipynb, like "
+                          "05_tokenizers.ipynb): rename or remove it")
+    return paths
+
 # %% ../../nbs/90a_pages.ipynb #be80f161
 @dataclass
 class Chapter:
@@ -133,8 +301,7 @@ class Chapter:
 
 def read_chapter(path: Path, manifest: dict, others: str = "") -> Chapter:
     "Convert the executed notebook at `path` into its page, with title, claim and anchors; `others`: HTML after it."
-    import nbformat
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     body, _ = _exporter().from_notebook_node(_prepare(nb))
     page = _page(path.stem, chapter_title(nb), body + others, manifest)
     return Chapter(path.stem, chapter_title(nb), chapter_claim(nb), page, page_anchors(page), nb)
@@ -196,10 +363,7 @@ def other_presets_html(out: Path, chapter: str) -> str:
         other = out.parent / preset
         if other == out or not (other / "notebooks" / f"{chapter}.ipynb").is_file():
             continue
-        try:
-            run = json.loads((other / "manifest.json").read_text()).get("runs", {}).get(chapter)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{other / 'manifest.json'} is not a manifest ({e}): rerun or remove that preset's report") from None
+        run = read_manifest(other / "manifest.json", "rerun or remove that preset's report").get("runs", {}).get(chapter)
         ran = f"commit <code>{esc(run['commit'][:12])}</code>, {run['seconds']:.0f} s" if run else "not timed"
         tables = []
         for t in sorted((other / "tables").glob(f"{chapter}-paper-vs-ours*.csv")):
@@ -272,6 +436,21 @@ def verdict_counts(rows: list[dict]) -> dict[str, int]:
     "How many ledger rows have each verdict, in `VERDICTS` order (zeros included)."
     return {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
 
+# %% ../../nbs/90a_pages.ipynb #b4ee8879
+def write_atomic(path: Path, text: str) -> None:
+    "Write `text` (UTF-8) to `path` whole or not at all: a temporary file beside it, synced, then renamed over it."
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:  # a new file, with the mode a plain write gives
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
 # %% ../../nbs/90a_pages.ipynb #748050bf
 def _md_cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
@@ -282,12 +461,12 @@ def write_claims(out: Path, rows: list[dict], preset: str) -> None:
     writer = csv.DictWriter(buf, CLAIM_FIELDS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    (out / "claims.csv").write_text(buf.getvalue(), encoding="utf-8")
+    write_atomic(out / "claims.csv", buf.getvalue())
     counts = " · ".join(f"{v}: {n}" for v, n in verdict_counts(rows).items())
     lines = [f"# Claims ledger — preset {preset}", "", f"{len(rows)} claims — {counts}", "",
              "| " + " | ".join(CLAIM_FIELDS) + " |", "|" + "---|" * len(CLAIM_FIELDS)]
     lines += ["| " + " | ".join(_md_cell(r[k]) for k in CLAIM_FIELDS) + " |" for r in rows]
-    (out / "claims.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(out / "claims.md", "\n".join(lines) + "\n")
 
 # %% ../../nbs/90a_pages.ipynb #2228fcfe
 def _md(text: str, inline: bool = False) -> str:
@@ -361,20 +540,36 @@ def index_html(out: Path, manifest: dict, chapters: list[Chapter], rows: list[di
             f"{_ledger_html(rows)}\n{_contents_html(chapters, manifest, rows)}\n{_run_html(out, manifest)}\n</body></html>\n")
 
 # %% ../../nbs/90a_pages.ipynb #e45e2d9c
+def _check_targets(out: Path, chapters: list[str]) -> None:
+    "Refuse, before rendering, an output folder where something else sits in the place of what the report writes."
+    pages = out / "pages"
+    if pages.exists() and not pages.is_dir():
+        raise ConfigError(f"{pages} is a file, not the pages folder: move it away and render again")
+    for path in (out / "index.html", out / "claims.csv", out / "claims.md", *(pages / f"{c}.html" for c in chapters)):
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder where the report writes a file: move it away and render again")
+
+def _write_pages(pages: Path, chapters: list[Chapter]) -> None:
+    "Each chapter's page, written whole; the pages of chapters no longer in the folder removed."
+    try:
+        pages.mkdir(exist_ok=True)
+        for stale in {p for p in pages.glob("*.html") if p.is_file()} - {pages / f"{ch.name}.html" for ch in chapters}:
+            stale.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write {pages}: {e.strerror or e}") from None
+    for ch in chapters:
+        write_atomic(pages / f"{ch.name}.html", ch.page)
+
 def render_report(out_dir: str | Path) -> Path:
     "Render `out_dir` (outputs/<preset>/): pages/<chapter>.html, claims.csv, claims.md, index.html; returns the index."
     out = Path(out_dir)
     if not (out / "manifest.json").is_file():
         raise ConfigError(f"no report to render in {out}: manifest.json is missing (run `openpretrain report`)")
-    manifest = json.loads((out / "manifest.json").read_text())
-    chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in sorted((out / "notebooks").glob("*.ipynb"))]
+    manifest, notebooks = read_manifest(out / "manifest.json"), chapter_notebooks(out)
+    _check_targets(out, [p.stem for p in notebooks])
+    chapters = [read_chapter(p, manifest, other_presets_html(out, p.stem)) for p in notebooks]
     rows = read_claims(out, {ch.name: ch for ch in chapters})
-    pages = out / "pages"
-    pages.mkdir(exist_ok=True)
-    for stale in set(pages.glob("*.html")) - {pages / f"{ch.name}.html" for ch in chapters}:
-        stale.unlink()
-    for ch in chapters:
-        (pages / f"{ch.name}.html").write_text(ch.page, encoding="utf-8")
+    _write_pages(out / "pages", chapters)
     write_claims(out, rows, manifest["preset"])
-    (out / "index.html").write_text(index_html(out, manifest, chapters, rows), encoding="utf-8")
+    write_atomic(out / "index.html", index_html(out, manifest, chapters, rows))
     return out / "index.html"
