@@ -62,10 +62,11 @@ def stage_preset(p: Preset, c: Curriculum, st: StageSpec, batch_tokens: int, the
     if batch_tokens % st.seq_len:
         raise ConfigError(f"{c.name}.{st.name}: a batch of {batch_tokens:,} tokens is no whole number of {st.seq_len:,}-token rows")
     rows, steps, model = batch_tokens // st.seq_len, math.ceil(tokens / batch_tokens), model_config(p)
-    if (limit := context_limit(model)) is not None:           # a model with positions: its context grows
-        model = with_context(model, max(st.seq_len, limit))
-    return p.derive("stage_preset", data={"curriculum": named, "seq_len": st.seq_len},
-                    model={**to_dict(model), **({} if theta is None else {"rope_theta": theta})},
+    limit = context_limit(model)                              # a model with positions: its context grows
+    grown = model if limit is None else with_context(model, max(st.seq_len, limit))
+    grown = {k: v for k, v in to_dict(grown).items() if v != getattr(model, k)}   # only what the stage changes: a knob
+    return p.derive("stage_preset", data={"curriculum": named, "seq_len": st.seq_len},   # derived from others stays so
+                    model={**grown, **({} if theta is None else {"rope_theta": theta})},
                     optim={"lr": st.lr, "batch_size": rows, "batch_increase_at": [], "batch_increase_to": [],
                            "t_alpha": steps, "t_beta3": steps, "schedule": warmup_then(c.unit, warmup, tokens, "constant")},
                     train={"micro_batch": micro_batch_for(p.section("train", TrainConfig), rows), "milestones": []})
