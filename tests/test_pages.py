@@ -406,3 +406,10 @@ def test_a_full_disk_leaves_every_page_whole(report):
     with pytest.raises(ConfigError, match=r"cannot write .*03_demo\.html: File too large"), disk_full_at(4096):
         render_report(report)
     assert {p: p.read_bytes() for p in sorted(report.rglob("*")) if p.is_file()} == before  # no temporary file left
+
+
+def test_a_progress_bar_reaches_its_page_as_its_last_frame_only():
+    from openpretrain.pages import final_frames
+    bar = "".join(f"\rtrain:  {i:3d}%|{'#' * (i // 10)}|" for i in range(0, 101, 5))
+    assert final_frames(["start\n", bar + "\n", "done\n"]) == "start\ntrain:  100%|##########|\ndone\n"
+    assert final_frames("no bar here\n") == "no bar here\n"

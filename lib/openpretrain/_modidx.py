@@ -1169,6 +1169,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'openpretrain.pages.chapter_notebooks': ('pages.html#chapter_notebooks', 'openpretrain/pages.py'),
                                     'openpretrain.pages.chapter_title': ('pages.html#chapter_title', 'openpretrain/pages.py'),
                                     'openpretrain.pages.claim_tables': ('pages.html#claim_tables', 'openpretrain/pages.py'),
+                                    'openpretrain.pages.final_frames': ('pages.html#final_frames', 'openpretrain/pages.py'),
                                     'openpretrain.pages.index_html': ('pages.html#index_html', 'openpretrain/pages.py'),
                                     'openpretrain.pages.other_presets_html': ('pages.html#other_presets_html', 'openpretrain/pages.py'),
                                     'openpretrain.pages.page_anchors': ('pages.html#page_anchors', 'openpretrain/pages.py'),

@@ -26,7 +26,7 @@ from .core import VERDICTS, ConfigError
 # %% auto #0
 __all__ = ['PARTS', 'TEMPLATE', 'OPEN_TAGS', 'SCRIPTED', 'SAFE_TAGS', 'VOID_TAGS', 'DROPPED_WHOLE', 'SAFE_ATTRS',
            'CSS_PROPERTIES', 'CHAPTER', 'RUN_FIELDS', 'ARTIFACT_FIELDS', 'CSS', 'TWINS', 'LEDGER_COLUMNS',
-           'CLAIM_FIELDS', 'part_of', 'chapter_title', 'chapter_claim', 'sanitize_html', 'page_anchors',
+           'CLAIM_FIELDS', 'part_of', 'chapter_title', 'chapter_claim', 'sanitize_html', 'final_frames', 'page_anchors',
            'read_manifest', 'read_notebook', 'chapter_notebooks', 'Chapter', 'read_chapter', 'other_presets_html',
            'claim_tables', 'read_claim_table', 'table_anchor', 'read_claims', 'verdict_counts', 'write_atomic',
            'write_claims', 'sibling_presets', 'index_html', 'render_report']
@@ -199,9 +199,16 @@ def _prepare(nb):
                                 pages_open=bool(set(OPEN_TAGS) & set(cell["metadata"].get("tags", []))))
         for out in cell.get("outputs", []):
             _safe_output(out)
+            if out.get("output_type") == "stream":
+                out["text"] = final_frames(out.get("text", ""))
             if "image/png" in out.get("data", {}):  # the text Jupyter shows without the image, as its alt text
                 out.setdefault("metadata", {}).setdefault("alt", str(out["data"].get("text/plain", "figure")))
     return _node(nb)
+
+def final_frames(text) -> str:
+    "A stream as a terminal leaves it: of each line redrawn with carriage returns (a progress bar), its last frame only."
+    text = "".join(text) if isinstance(text, list) else str(text)
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 def _node(d):
     import nbformat
