@@ -196,3 +196,25 @@ def test_a_long_context_stage_resumes_in_the_middle_bit_for_bit(tmp_path):
     assert [r["loss"] for r in cut] == [r["loss"] for r in whole] and len(whole) == 6
     go("random", 1, None)                             # the same stage from random weights starts elsewhere
     assert read_metrics(tmp_path / "random" / "metrics.jsonl")[0]["loss"] != whole[0]["loss"]
+
+
+def test_apertus_8b_stages_run_as_the_public_launch_scripts_do():
+    "Llama-3 RoPE scaling in every stage, the preset's 100,000-step AdEMAMix warm-ups kept, only FineWeb-Long bucketed."
+    stages = stage_plans(load_preset("apertus-8b"))
+    assert [pl.data.seq_len for _, pl in stages] == [8192, 16384, 32768, 65536]
+    assert [pl.model.rope_theta for _, pl in stages] == [1e6, 2e6, 4e6, 12e6]
+    for st, pl in stages:
+        assert pl.model.rope_scaling == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}
+        assert (pl.optim.t_alpha, pl.optim.t_beta3) == (100_000, 100_000)
+        assert {s.dataset for s in st.sources if s.bucket is not None} == {"FineWeb-Long"}
+
+
+def test_the_ademamix_warmup_rule_is_checked_and_stage_is_the_stage_length(tmp_path):
+    p = load_preset("tiny")
+    assert [pl.optim.t_alpha for _, pl in stage_plans(p)] == [12, 96, 96]     # tiny: each stage's own steps
+    bad = p.derive("test", long_context={"ademamix_warmup": "never"})
+    with pytest.raises(ConfigError, match="ademamix_warmup must be 'stage' or 'preset'"):
+        stage_plans(bad)
+    kept = p.derive("test", long_context={"ademamix_warmup": "preset"})
+    assert [pl.optim.t_alpha for _, pl in stage_plans(kept)] == [192, 192, 192]

@@ -2178,6 +2178,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                  'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.WholeRows.state_dict': ( 'long_context.html#wholerows.state_dict',
                                                                                                                  'openpretrain/training/long_context.py'),
+                                                    'openpretrain.training.long_context._warmup': ( 'long_context.html#_warmup',
+                                                                                                    'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.chain_batches': ( 'long_context.html#chain_batches',
                                                                                                           'openpretrain/training/long_context.py'),
                                                     'openpretrain.training.long_context.check_no_repeat': ( 'long_context.html#check_no_repeat',

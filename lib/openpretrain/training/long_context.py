@@ -43,6 +43,7 @@ __all__ = ['PUBLISHED', 'SMALL', 'INTRO', 'NEEDLE', 'QUESTION', 'LongContextConf
 class LongContextConfig:
     curriculum: str | None = None    # configs/curricula/<name>.yaml whose stages with their own seq_len run in order (Apertus 8B: apertus-8b-long); None = no extension
     batch_tokens: int | None = None  # tokens per step where a stage publishes no tokens_per_iteration; None = the main run's last batch (Apertus 8B: 8M)
+    ademamix_warmup: str = "stage"   # stage: AdEMAMix's α/β3 warm up over each stage's own steps | preset: keep the preset's t_alpha/t_beta3 in every stage's fresh optimizer (Apertus's launch scripts: 100,000 steps, longer than any stage, so α and β3 stay short of their final values)
 
 def long_stages(p: Preset) -> tuple[Curriculum, list[StageSpec]]:
     "The preset's long-context curriculum and its stages that run at their own length, in order."
@@ -55,6 +56,13 @@ def long_stages(p: Preset) -> tuple[Curriculum, list[StageSpec]]:
     return c, stages
 
 # %% ../../../nbs/11b_long_context.ipynb #99de55c8
+def _warmup(p: Preset) -> str:
+    "How a stage's fresh AdEMAMix optimizer warms α and β3 up: over the stage (`stage`) or the preset's steps (`preset`)."
+    rule = p.section("long_context", LongContextConfig).ademamix_warmup
+    if rule not in ("stage", "preset"):
+        raise ConfigError(f"{p.name}.long_context.ademamix_warmup must be 'stage' or 'preset', got {rule!r}")
+    return rule
+
 def stage_preset(p: Preset, c: Curriculum, st: StageSpec, batch_tokens: int, theta: float | None) -> Preset:
     "The preset of one long-context stage: the main run's at the stage's length, θ, learning rate and batch."
     named = p.section("long_context", LongContextConfig).curriculum   # as the preset names it: a name or a path
@@ -62,13 +70,14 @@ def stage_preset(p: Preset, c: Curriculum, st: StageSpec, batch_tokens: int, the
     if batch_tokens % st.seq_len:
         raise ConfigError(f"{c.name}.{st.name}: a batch of {batch_tokens:,} tokens is no whole number of {st.seq_len:,}-token rows")
     rows, steps, model = batch_tokens // st.seq_len, math.ceil(tokens / batch_tokens), model_config(p)
+    warm = {"t_alpha": steps, "t_beta3": steps} if _warmup(p) == "stage" else {}   # "preset": the preset's own
     limit = context_limit(model)                              # a model with positions: its context grows
     grown = model if limit is None else with_context(model, max(st.seq_len, limit))
     grown = {k: v for k, v in to_dict(grown).items() if v != getattr(model, k)}   # only what the stage changes: a knob
     return p.derive("stage_preset", data={"curriculum": named, "seq_len": st.seq_len},   # derived from others stays so
                     model={**grown, **({} if theta is None else {"rope_theta": theta})},
                     optim={"lr": st.lr, "batch_size": rows, "batch_increase_at": [], "batch_increase_to": [],
-                           "t_alpha": steps, "t_beta3": steps, "schedule": warmup_then(c.unit, warmup, tokens, "constant")},
+                           **warm, "schedule": warmup_then("tokens", warmup, tokens, "constant")},
                     train={"micro_batch": micro_batch_for(p.section("train", TrainConfig), rows), "milestones": []})
 
 # %% ../../../nbs/11b_long_context.ipynb #0a7a3258
