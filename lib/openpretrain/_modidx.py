@@ -479,6 +479,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'openpretrain.core._coerce': ('core.html#_coerce', 'openpretrain/core.py'),
                                    'openpretrain.core._coerce_union': ('core.html#_coerce_union', 'openpretrain/core.py'),
                                    'openpretrain.core._compiler_version': ('core.html#_compiler_version', 'openpretrain/core.py'),
+                                   'openpretrain.core._decided': ('core.html#_decided', 'openpretrain/core.py'),
                                    'openpretrain.core._in_range': ('core.html#_in_range', 'openpretrain/core.py'),
                                    'openpretrain.core._key_lines': ('core.html#_key_lines', 'openpretrain/core.py'),
                                    'openpretrain.core._plain': ('core.html#_plain', 'openpretrain/core.py'),

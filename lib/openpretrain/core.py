@@ -498,8 +498,8 @@ def data(self, df, name: str):
     return df
 
 # %% ../../nbs/00_core.ipynb #0bb1f14f
-VERDICTS = ("reproduces", "same direction, weaker", "does not reproduce at this scale", "by construction",
-            "not comparable")
+VERDICTS = ("reproduces", "same direction, weaker", "does not reproduce at this scale", "does not reproduce",
+            "verified", "by construction", "not comparable")
 
 @dataclass(frozen=True)
 class Verdict:
@@ -522,14 +522,20 @@ def not_comparable(why: str) -> Verdict:
     "A row whose quantity means something else at our scale, or that the paper does not publish."
     return Verdict("not comparable", why)
 
-def holds(claim: bool, what: str) -> Verdict:
-    "A yes/no claim of the paper checked on our run: reproduces when it holds."
-    return Verdict("reproduces" if claim else "does not reproduce at this scale", f"{what}: {'yes' if claim else 'no'}")
+def _decided(ok: bool, verified: bool) -> str:
+    "An experiment's row reproduces or not at this scale; a reference or arithmetic row is verified or a defect."
+    if verified:
+        return "verified" if ok else "does not reproduce"
+    return "reproduces" if ok else "does not reproduce at this scale"
 
-def within(paper: float, ours: float, rel: float) -> Verdict:
-    "A published number ours should match: reproduces when |ours − paper| ≤ rel·|paper|."
+def holds(claim: bool, what: str, verified: bool = False) -> Verdict:
+    "A yes/no claim checked on our run (`verified`: against a public reference or a published configuration)."
+    return Verdict(_decided(claim, verified), f"{what}: {'yes' if claim else 'no'}")
+
+def within(paper: float, ours: float, rel: float, verified: bool = False) -> Verdict:
+    "A published number ours should match, |ours − paper| ≤ rel·|paper| (`verified`: arithmetic, not an experiment)."
     gap, room = abs(ours - paper), rel * abs(paper)
-    return Verdict("reproduces" if gap <= room else "does not reproduce at this scale",
+    return Verdict(_decided(gap <= room, verified),
                    f"|ours − paper| = {gap:.3g} {'≤' if gap <= room else '>'} {rel:g}·|paper| = {room:.3g}")
 
 # %% ../../nbs/00_core.ipynb #4f3149d7
