@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anyio
 import httpx
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from chat_models import TOK, chat_checkpoint
+from conftest import OK
 
 from openpretrain.__main__ import main as cli
 from openpretrain.models.common import generate
@@ -499,38 +499,6 @@ def test_the_client_imports_no_server_framework():
     probe = "import sys, openpretrain.posttrain.client; print(sorted({'starlette', 'uvicorn', 'torch'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded == "[]\n", f"importing the client loaded {loaded.strip()}"
-
-
-OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Allegra"}, "finish_reason": "stop"}]}
-
-
-@pytest.fixture
-def fake():
-    "A server that answers its `script` of (status, body, delay) in turn, the last one forever; counts requests."
-    state = {"script": [(200, OK, 0.0)], "hits": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            status, body, delay = state["script"][min(state["hits"], len(state["script"]) - 1)]
-            state["hits"] += 1
-            time.sleep(delay)
-            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1", state
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
 
 
 def test_the_client_retries_503_twice_with_backoff_then_succeeds(fake):
