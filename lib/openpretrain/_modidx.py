@@ -536,6 +536,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                  'openpretrain/corpus.py')},
             'openpretrain.engine': { 'openpretrain.engine.ChatModel': ('engine.html#chatmodel', 'openpretrain/engine.py'),
                                      'openpretrain.engine.ChatModel.ask': ('engine.html#chatmodel.ask', 'openpretrain/engine.py'),
+                                     'openpretrain.engine.ChatModel.chat': ('engine.html#chatmodel.chat', 'openpretrain/engine.py'),
                                      'openpretrain.engine.ChatModel.context': ('engine.html#chatmodel.context', 'openpretrain/engine.py'),
                                      'openpretrain.engine.ChatModel.end': ('engine.html#chatmodel.end', 'openpretrain/engine.py'),
                                      'openpretrain.engine.ChatModel.line_ends': ( 'engine.html#chatmodel.line_ends',
