@@ -1,8 +1,11 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1 (replies equal to greedy `generate`, streaming,
 log-probabilities, every malformed request a 4xx, 413, the server up after each; issue 43's hardening: a client that
 leaves frees its slot, Host, Content-Type and API-key checks, slow heads and bodies cut off, malformed values 400s,
-one-line refusals of bad flags), the client's retries, timeout, cache and one-line errors against a fake server, that
-the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
+one-line refusals of bad flags; issue 44's parity with vLLM's server: a completion's prompt log-probabilities with
+`echo`, scored by lm-eval's `local-completions` as by our in-process adapter, `stream_options.include_usage`,
+Prometheus `/metrics`, a base model served for completions only, every field not implemented a 400 naming it, and
+the `openai` client's view of all that), the client's retries, timeout, cache and one-line errors against a fake
+server, that the client loads no server framework, and lm-eval's `local-chat-completions` model against ours."""
 import json
 import os
 import queue
@@ -13,15 +16,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import contextmanager
 
 import anyio
 import httpx
 import pytest
 import torch
 
-from chat_models import TOK, chat_checkpoint
+from chat_models import BASE, TOK, base_checkpoint, chat_checkpoint
+from conftest import OK
 
 from openpretrain.__main__ import main as cli
 from openpretrain.models.common import generate
@@ -144,10 +149,12 @@ def test_a_malformed_request_gets_its_4xx_and_the_server_stays_up(url, body, sta
     assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
 
 
-def test_completions_refuse_a_non_string_prompt_and_logprobs(url):
-    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "logprobs": 2}, "logprobs")):
+def test_completions_refuse_a_malformed_prompt_and_chats_logprobs(url):
+    for body, param in (({"prompt": 3}, "prompt"), ({"prompt": [[1, 2], []]}, "prompt"), ({"prompt": [2048, 99999]}, "prompt"),
+                        ({"prompt": ["a"] * 17}, "prompt"), ({"prompt": "a", "logprobs": True}, "logprobs"),
+                        ({"prompt": ["a", "b"], "stream": True}, "prompt")):
         r = httpx.post(f"{url}/completions", json={"model": NAME, **body}, timeout=30)
-        assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), body
 
 
 def test_an_oversize_body_is_413_whether_announced_or_chunked(url):
@@ -493,44 +500,210 @@ def test_a_malformed_value_is_a_400_not_a_500(roomy_url, route, body, param):
     assert httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json() == {"status": "ok"}
 
 
+# ---- parity with vLLM's server: prompt log-probabilities, usage chunks, metrics, base models, fields (issue 44) ----
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    "A base model (the random 2-layer model before the chat markers) with its plain 2,048-id tokenizer."
+    root = tmp_path_factory.mktemp("base")
+    return ChatModel.load(base_checkpoint(root), root / "base.json", require_chat=False)
+
+
+@pytest.fixture(scope="module")
+def base_url(base):
+    with serving(app(base, ServeConfig(max_tokens=64, max_concurrency=2))) as base_url:
+        yield base_url
+
+
+def prompt_logprobs(model, ids: list[int]) -> list[float]:
+    "Each id's log-probability given the ids before it, from one forward of the model (the first id: none)."
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)     # (T, V)
+    return [float(logp[t, i]) for t, i in enumerate(ids[1:])]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_gives_the_prompts_log_probs_in_the_legacy_format(base_url, base, max_tokens):
+    ids = [BASE.bos_id, *BASE.encode("Alle Menschen sind frei und gleich")]
+    answer = httpx.post(f"{base_url}/completions", json={"model": NAME, "prompt": ids, "max_tokens": max_tokens, "echo": True,
+                                                         "logprobs": 2, "temperature": 0}, timeout=30).json()
+    choice, n = answer["choices"][0], answer["usage"]["completion_tokens"]
+    lp = choice["logprobs"]
+    assert lp["tokens"][:len(ids)] == [BASE.tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None       # nothing predicts the first id
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(prompt_logprobs(base.model, ids), abs=1e-4)
+    assert all(len(top) in (2, 3) and top[tok] == p for tok, p, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:],
+                                                                            lp["top_logprobs"][1:]))
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:k])) for k in range(len(lp["tokens"]))]
+    assert len(lp["tokens"]) == len(ids) + n and n == max_tokens and answer["usage"]["prompt_tokens"] == len(ids)
+    assert choice["text"].startswith(BASE.tok.decode(ids)) and choice["finish_reason"] == "length"
+
+
+def test_lm_evals_local_completions_scores_as_our_in_process_adapter(base_url, base, tmp_path, monkeypatch):
+    "lm-eval's own API model sends token ids with echo and logprobs 1; its sums and greedy flags equal OpenPretrainLM's."
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import PreTrainedTokenizerFast
+
+    from openpretrain.evaluation.harness import OpenPretrainLM
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")                                     # the tokenizer is a local folder
+    PreTrainedTokenizerFast(tokenizer_object=BASE.tok, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    lm = LocalCompletionsAPI(base_url=f"{base_url}/completions", model=NAME, tokenizer_backend="huggingface",
+                             tokenizer=str(tmp_path / "tok"), max_length=128, batch_size=2, max_retries=1)
+    with torch.no_grad():                                        # the base's own greedy next token after a context
+        top = int(base.model(torch.tensor([BASE.encode("Alle Menschen sind")]))[0, -1].argmax())
+    pairs = [("Alle Menschen sind frei", " und gleich an Würde"), ("Übersetze ins Rumantsch:", " Tuts umans"),
+             ("", "Allegra"), ("Grüezi", " mitenand"), ("Alle Menschen sind", BASE.tok.decode([top]))]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    ours = OpenPretrainLM(base.model, BASE).loglikelihood(requests)
+    theirs = lm.loglikelihood(requests, disable_tqdm=True)
+    assert [lp for lp, _ in theirs] == pytest.approx([lp for lp, _ in ours], abs=1e-4)
+    assert [greedy for _, greedy in theirs] == [greedy for _, greedy in ours] == [False] * 4 + [True]
+    assert all(lp < 0 for lp, _ in theirs) and len({round(lp, 3) for lp, _ in theirs}) == len(pairs)
+
+
+def sse(url: str, body: dict) -> list[dict]:
+    "The JSON chunks of a streamed answer, [DONE] checked and left off."
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("route,ask", [("chat/completions", {"messages": HELLO}), ("completions", {"prompt": "Alle Menschen"})])
+def test_include_usage_ends_a_stream_with_the_usage_and_no_choices(url, route, ask):
+    body = {"model": NAME, **ask, "temperature": 0, "max_tokens": 6}
+    chunks = sse(f"{url}/{route}", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    whole = httpx.post(f"{url}/{route}", json=body, timeout=30).json()
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks[:-1])
+    assert "usage" not in sse(f"{url}/{route}", {**body, "stream": True})[-1]           # not asked: OpenAI's chunks
+
+
+def metric_values(text: str) -> dict[tuple[str, frozenset], float]:
+    "Prometheus's text exposition parsed by hand: (name, its labels) → value; every line a comment or a sample."
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)', line)
+        assert m, f"not a sample line: {line!r}"
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m[2] or ""))
+        out[m[1], labels] = float(m[3])
+    return out
+
+
+def test_metrics_count_requests_ids_and_latency_and_need_no_api_key(served):
+    with serving(app(served, ServeConfig(api_key="sekrit", max_tokens=8))) as base_url:
+        page = lambda: httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=5)
+        assert page().status_code == 200 and page().headers["content-type"].startswith("text/plain; version=0.0.4")
+        before = metric_values(page().text)
+        key = {"authorization": "Bearer sekrit"}
+        answer = httpx.post(f"{base_url}/chat/completions", json={"model": NAME, "messages": HELLO, "max_tokens": 5,
+                                                                  "temperature": 0}, headers=key, timeout=30).json()
+        assert httpx.get(f"{base_url}/models", timeout=5).status_code == 401
+        httpx.get(base_url.removesuffix("/v1") + "/wp-admin", headers=key, timeout=5)
+        after = metric_values(page().text)
+    moved = lambda name, **labels: after.get((name, frozenset(labels.items())), 0) - before.get((name, frozenset(labels.items())), 0)
+    assert moved("openpretrain_http_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert moved("openpretrain_http_requests_total", route="/v1/models", status="401") == 1
+    assert moved("openpretrain_http_requests_total", route="other", status="404") == 1        # no series per unknown path
+    assert moved("openpretrain_prompt_tokens_total") == answer["usage"]["prompt_tokens"]
+    assert moved("openpretrain_generation_tokens_total") == answer["usage"]["completion_tokens"]
+    assert moved("openpretrain_http_request_duration_seconds_count", route="/v1/chat/completions") == 1
+    assert moved("openpretrain_http_request_duration_seconds_sum", route="/v1/chat/completions") > 0
+    assert after["openpretrain_requests_running", frozenset()] == after["openpretrain_requests_waiting", frozenset()] == 0
+
+
+def test_metrics_show_a_reply_running_and_one_waiting(served):
+    gated = Gated(served.model)
+    with serving(app(ChatModel(gated, served.tokenizer, served.name), ServeConfig(max_concurrency=1, max_tokens=8))) as base_url:
+        gauges = lambda: {k[0]: v for k, v in metric_values(httpx.get(base_url.removesuffix("/v1") + "/metrics",
+                                                                       timeout=5).text).items() if k[0].startswith("openpretrain_requests_")}
+        pool = ThreadPoolExecutor(2)
+        try:
+            first = pool.submit(chat, base_url, temperature=0, max_tokens=2)
+            assert gated.started.wait(30), "the first request never reached the model"
+            second = pool.submit(chat, base_url, temperature=0, max_tokens=2)
+            assert wait_for(lambda: gauges() == {"openpretrain_requests_running": 1, "openpretrain_requests_waiting": 1})
+        finally:
+            gated.go.set()
+        assert first.result(30).status_code == second.result(30).status_code == 200
+        assert wait_for(lambda: gauges() == {"openpretrain_requests_running": 0, "openpretrain_requests_waiting": 0})
+
+
+UNSUPPORTED = [  # (route, field, value): refused, the field named in `param`
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat/completions", "tool_choice", "auto"), ("chat/completions", "response_format", {"type": "json_object"}),
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]), ("chat/completions", "logit_bias", {"42": 100}),
+    ("chat/completions", "frequency_penalty", 0.5), ("chat/completions", "audio", {"voice": "alloy"}),
+    ("chat/completions", "echo", True), ("chat/completions", "prompt", "x"), ("completions", "suffix", "!"),
+    ("completions", "best_of", 2), ("completions", "logit_bias", {"42": 100}), ("completions", "top_k", 40),
+    ("completions", "messages", HELLO), ("completions", "max_completion_tokens", 4), ("completions", "no_such_field", 1),
+]
+
+
+@pytest.mark.parametrize("route,field,value", UNSUPPORTED, ids=[f"{r.split('/')[0]}-{f}" for r, f, _ in UNSUPPORTED])
+def test_a_field_not_implemented_is_a_400_naming_it(url, route, field, value):
+    ask = {"messages": HELLO} if route.startswith("chat") else {"prompt": "Alle Menschen"}
+    r = httpx.post(f"{url}/{route}", json={"model": NAME, **ask, "max_tokens": 2, field: value}, timeout=30)
+    error = r.json()["error"]
+    assert (r.status_code, error["param"], error["code"]) == (400, field, "unsupported_parameter") and field in error["message"]
+
+
+def test_harmless_fields_and_neutral_values_are_taken(url):
+    chat_extras = {"user": "u-1", "metadata": {"run": "a"}, "store": False, "n": 1, "seed": 3, "presence_penalty": 0,
+                   "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none", "top_k": -1,
+                   "response_format": {"type": "text"}, "parallel_tool_calls": True, "stop": ["\n\n"], "functions": None}
+    assert chat(url, max_tokens=2, **chat_extras).status_code == 200
+    completion_extras = {"user": "u-1", "n": 1, "best_of": 1, "suffix": None, "echo": False, "logprobs": None,
+                         "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1.0, "min_p": 0}
+    r = httpx.post(f"{url}/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2, **completion_extras}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_base_model_serves_completions_and_refuses_chat_in_400(base_url):
+    r = httpx.post(f"{base_url}/chat/completions", json={"model": NAME, "messages": HELLO}, timeout=30)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "no_chat_template") and "chat template" in r.json()["error"]["message"]
+    r = httpx.post(f"{base_url}/completions", json={"model": NAME, "prompt": "Alle Menschen", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+
+
+def test_the_openai_client_reads_usage_chunks_log_probs_and_refusals(url, base_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=HELLO, max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat(url, temperature=0, max_tokens=6).json()["choices"][0]["message"]["content"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    pieces = list(client.completions.create(model=NAME, prompt="Alle Menschen", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert pieces[-1].choices == [] and pieces[-1].usage.prompt_tokens == 1 + len(TOK.encode("Alle Menschen"))
+    scored = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).completions.create(
+        model=NAME, prompt="Alle Menschen", max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].logprobs.token_logprobs[0] is None and len(scored.choices[0].logprobs.tokens) >= 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=HELLO, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.param == "tools"
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model=NAME, messages=HELLO)
+
+
+def test_the_openai_client_needs_the_api_key(served):
+    openai = pytest.importorskip("openai")
+    with serving(app(served, ServeConfig(api_key="sekrit", max_tokens=4))) as base_url:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+        assert [m.id for m in openai.OpenAI(base_url=base_url, api_key="sekrit", max_retries=0).models.list()] == [NAME]
+
+
 # ---- the client, against a fake server ---------------------------------------------------------------------------
 
 def test_the_client_imports_no_server_framework():
     probe = "import sys, openpretrain.posttrain.client; print(sorted({'starlette', 'uvicorn', 'torch'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded == "[]\n", f"importing the client loaded {loaded.strip()}"
-
-
-OK = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Allegra"}, "finish_reason": "stop"}]}
-
-
-@pytest.fixture
-def fake():
-    "A server that answers its `script` of (status, body, delay) in turn, the last one forever; counts requests."
-    state = {"script": [(200, OK, 0.0)], "hits": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            status, body, delay = state["script"][min(state["hits"], len(state["script"]) - 1)]
-            state["hits"] += 1
-            time.sleep(delay)
-            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1", state
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
 
 
 def test_the_client_retries_503_twice_with_backoff_then_succeeds(fake):
@@ -659,10 +832,11 @@ def test_serve_refuses_a_bad_flag_in_one_line(capsys, tmp_path, flags, says):
     assert err.startswith("openpretrain serve: ") and says in err and err.count("\n") == 1, err
 
 
-def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_environment(checkpoint):
-    env = {**os.environ, "OPENPRETRAIN_API_KEY": "sekrit"}
-    proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "serve", "--checkpoint", str(checkpoint), "--port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+@contextmanager
+def cli_server(*flags: str, env: dict | None = None) -> Iterator[tuple[str, str]]:
+    "`openpretrain serve … --port 0` in a subprocess: (its base URL, the line that announced it), stopped on exit."
+    proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "serve", *flags, "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     lines = queue.Queue()
     threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put("")], daemon=True).start()   # "": it ended
     try:
@@ -671,11 +845,10 @@ def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_enviro
             line = lines.get(timeout=60)
             if not line or (announced := re.search(r"^openpretrain serve: \S+ on http://127\.0\.0\.1:(\d+)/v1", line)):
                 break
-        assert announced and int(announced[1]) != 0 and "API key required" in line, "serve announced no port"
+        assert announced and int(announced[1]) != 0, "serve announced no port"
         base_url = f"http://127.0.0.1:{int(announced[1])}/v1"
         assert wait_for(lambda: _up(base_url), 60), f"nothing answers at {base_url}"
-        assert httpx.get(f"{base_url}/models", timeout=5).status_code == 401
-        assert httpx.get(f"{base_url}/models", headers={"authorization": "Bearer sekrit"}, timeout=5).status_code == 200
+        yield base_url, line
     finally:
         proc.terminate()
         try:
@@ -683,6 +856,23 @@ def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_enviro
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_announces_the_port_it_bound_and_reads_its_api_key_from_the_environment(checkpoint):
+    with cli_server("--checkpoint", str(checkpoint), env={"OPENPRETRAIN_API_KEY": "sekrit"}) as (base_url, line):
+        assert "API key required" in line and "base model" not in line
+        assert httpx.get(f"{base_url}/models", timeout=5).status_code == 401
+        assert httpx.get(f"{base_url}/models", headers={"authorization": "Bearer sekrit"}, timeout=5).status_code == 200
+
+
+def test_serve_serves_a_base_checkpoint_with_its_plain_tokenizer(tmp_path):
+    ckpt = base_checkpoint(tmp_path)
+    with cli_server("--checkpoint", str(ckpt), "--tokenizer", str(tmp_path / "base.json")) as (base_url, line):
+        assert "a base model: /v1/completions only" in line
+        r = httpx.post(f"{base_url}/chat/completions", json={"model": NAME, "messages": HELLO}, timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "no_chat_template")
+        r = httpx.post(f"{base_url}/completions", json={"model": NAME, "prompt": "Alle", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
 
 
 def _up(base_url: str) -> bool:

@@ -118,6 +118,15 @@ class ChatModel:
     name: str = "openpretrain"
 
     @cached_property
+    def chat(self) -> bool:
+        "Whether its tokenizer has the chat markers; a base model's plain tokenizer has none, and only continues text."
+        try:
+            chat_ids(self.tokenizer)
+        except ConfigError:
+            return False
+        return True
+
+    @cached_property
     def end(self) -> int:
         "The end-of-turn id: where a reply stops."
         return chat_ids(self.tokenizer)[END]
@@ -148,8 +157,8 @@ class ChatModel:
 # %% ../../nbs/10d_engine.ipynb #fe9d3e55
 @classmethod
 def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | None = None, config=None,
-          name: str = "openpretrain") -> ChatModel:
-    "The verified checkpoint's model (the config it records) with its chat tokenizer; ConfigError / CheckpointError naming what is wrong."
+          name: str = "openpretrain", require_chat: bool = True) -> ChatModel:
+    "The verified checkpoint's model (the config it records) with its chat tokenizer (or any, if not `require_chat`); ConfigError / CheckpointError naming what is wrong."
     path = Path(checkpoint)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
@@ -157,14 +166,15 @@ def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | Non
     if tokenizer is None:
         tokenizer = next((p / "tokenizer.json" for p in path.resolve().parents if (p / "tokenizer.json").is_file()), None)
         if tokenizer is None:
-            raise ConfigError(f"no tokenizer.json in the folders above {path}: pass the chat tokenizer")
+            raise ConfigError(f"no tokenizer.json in the folders above {path}: pass its tokenizer")
     if not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer {tokenizer}: no such file")
     try:
         tok = HFTokenizer.from_file(tokenizer)
     except Exception as e:                                          # tokenizers raises its own Exception on a bad file
         raise ConfigError(f"tokenizer {tokenizer}: not a tokenizer.json ({str(e).splitlines()[0][:120]})") from None
-    chat_ids(tok)                                                   # ConfigError without the markers
+    if require_chat:
+        chat_ids(tok)                                               # ConfigError without the markers
     if tok.vocab_size != config.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer} has {tok.vocab_size:,} ids, the model {config.vocab_size:,}")
     return cls(load_model(path, config).eval(), tok, name)
