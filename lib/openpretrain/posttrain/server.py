@@ -36,7 +36,7 @@ from starlette.routing import Route
 from ..chat import chat_ids, check_messages
 from ..core import ConfigError, bounded, from_dict
 from ..engine import ChatModel, room, stream
-from ..training.checkpoint import CheckpointError
+from ..training.checkpoint import CheckpointError, find_checkpoint
 
 # %% auto #0
 __all__ = ['BadRequest', 'Sampling', 'sampling', 'reply_steps', 'ServeConfig', 'Admission', 'complete', 'models', 'health',
@@ -513,7 +513,8 @@ class _Flags(argparse.ArgumentParser):
 def _flags() -> argparse.ArgumentParser:
     d = ServeConfig()
     ap = _Flags(prog="openpretrain serve", description="an OpenAI-compatible server for a chat checkpoint")
-    ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N)")
+    ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N), or a run "
+                    "folder (its newest verified checkpoint)")
     ap.add_argument("--tokenizer", help="its chat tokenizer.json (default: the nearest one in the folders above it)")
     ap.add_argument("--host", default=d.host)
     ap.add_argument("--port", type=int, default=d.port, help="0: any free port (the one bound is announced)")
@@ -539,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _flags().parse_args(argv)
         c = _config(args)
         sock = _listen(c.host, c.port)                                  # before the model: a taken port fails at once
-        served = ChatModel.load(args.checkpoint, args.tokenizer, name=c.name)
+        served = ChatModel.load(find_checkpoint(args.checkpoint), args.tokenizer, name=c.name)
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
         if sock is not None:
             sock.close()
