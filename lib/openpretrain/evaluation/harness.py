@@ -469,8 +469,8 @@ def _flags() -> _Parser:
                  "verified checkpoint: the model it records, lm-eval's options as `lm_eval run` names them.")
     ap.add_argument("--checkpoint", required=True, help="a checkpoint folder (…/checkpoints/step-N) or a run folder "
                     "(its newest verified checkpoint)")
-    ap.add_argument("--preset", default="tiny", help="its evaluation section (default tasks, batch size, the local "
-                    "tasks' held-out check) and the tokenizer where the run kept none")
+    ap.add_argument("--preset", default="tiny", help="whose evaluation section sets the default tasks, the batch size "
+                    "and the local tasks' held-out check, and whose tokenizer is used where the run kept none")
     ap.add_argument("--tokenizer", help="tokenizer name or tokenizer.json (default: the run's, else the preset's)")
     ap.add_argument("--out", help="write the results table as CSV here and lm-eval's results JSON beside it (.json)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto")
