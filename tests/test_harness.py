@@ -254,13 +254,11 @@ def test_cli_says_in_one_line_what_a_bad_checkpoint_path_is(tmp_path, capsys):
     (broken / "model.safetensors").write_bytes(b"truncated")   # the newest: refused, so step 1 is named
     (run / "metrics.jsonl").write_text("")
     args = ("--preset", "tiny-hybrid", "--tasks", "openpretrain_bpb_roh", "--limit", "1")
-    assert "no such folder" in _cli_error(capsys, "--checkpoint", str(tmp_path / "missing"), *args)
-    assert f"a run folder, not a checkpoint: its newest valid checkpoint is {good}" in _cli_error(
-        capsys, "--checkpoint", str(run), *args)
-    assert f"its newest valid checkpoint is {good}" in _cli_error(capsys, "--checkpoint", str(run / "checkpoints"), *args)
-    assert "a file" in _cli_error(capsys, "--checkpoint", str(good / "model.safetensors"), *args)
+    assert "no such checkpoint folder" in _cli_error(capsys, "--checkpoint", str(tmp_path / "missing"), *args)
+    assert "a file, not a checkpoint folder" in _cli_error(capsys, "--checkpoint", str(good / "model.safetensors"), *args)
+    assert "neither a checkpoint" in _cli_error(capsys, "--checkpoint", str(tmp_path), *args)
     assert "does not match its sha256" in _cli_error(capsys, "--checkpoint", str(broken), *args)
-    assert "the preset it was trained with" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "tiny")
+    assert "has 2,048 ids, the model 8,192" in _cli_error(capsys, "--checkpoint", str(good), "--tokenizer", "bpe-bal-2k")
     assert "no preset 'nope'" in _cli_error(capsys, "--checkpoint", str(good), "--preset", "nope")
     assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "0")
     assert "--limit" in _cli_error(capsys, "--checkpoint", str(good), "--limit", "one")

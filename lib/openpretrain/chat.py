@@ -42,7 +42,8 @@ def chat_ids(tokenizer) -> dict[str, int]:
     return ids
 
 # %% auto #0
-__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'chat_tokenizer', 'chat_ids', 'check_messages', 'render', 'hf_chat_tokenizer']
+__all__ = ['ROLES', 'END', 'CHAT_TOKENS', 'JINJA', 'chat_tokenizer', 'chat_ids', 'check_messages', 'render', 'hf_chat_tokenizer',
+           'hf_tokenizer']
 
 # %% ../../nbs/05b_chat.ipynb #87f93f62
 def check_messages(messages) -> None:
@@ -80,3 +81,20 @@ def hf_chat_tokenizer(tokenizer):
     fast.encode_special_tokens = False                    # the template renders the markers as text: they must map to ids
     return PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>", eos_token=END, pad_token="<pad>",
                                    chat_template=JINJA)
+
+# %% ../../nbs/05b_chat.ipynb #c9a1e0b2
+def hf_tokenizer(tokenizer):
+    "The transformers tokenizer of an export: `hf_chat_tokenizer` for a chat tokenizer, else the base one (`<s>` first)."
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError(f"tokenizer '{tokenizer.name}' is not a tokenizer.json (Hugging Face tokenizers): "
+                          "a transformers export carries only those")
+    if all(tokenizer.tok.token_to_id(t) is not None for t in CHAT_TOKENS):
+        return hf_chat_tokenizer(tokenizer)
+    fast = HFTok.from_str(tokenizer.tok.to_str())
+    bos = [("<s>", tokenizer.bos_id)] if tokenizer.bos_id is not None else []
+    fast.post_processor = TemplateProcessing(single="<s> $A" if bos else "$A", pair="<s> $A $B" if bos else "$A $B",
+                                             special_tokens=bos)
+    return PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -10,7 +10,7 @@ test-time compute hold. Reads a verified checkpoint and its chat tokenizer; writ
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,7 +23,7 @@ from .core import ConfigError
 from .models.common import decode_steps
 from .models.registry import context_limit
 from .tokenization import HFTokenizer
-from .training.checkpoint import CheckpointError, load_model, recorded_config
+from .training.checkpoint import CheckpointError, checkpoint_tokenizer, load_model, recorded_config
 
 # %% auto #0
 __all__ = ['room', 'check_room', 'batches', 'decode_batch', 'Completion', 'generate', 'stream', 'ChatModel']
@@ -82,8 +82,8 @@ def _completion(ids: list[int], stop_ids: set[int]) -> Completion:
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int | list[int], *, temperature: float = 0.0,
              top_p: float = 1.0, n: int = 1, stop_ids=(), seed: int | None = None, batch_size: int | None = None,
-             require_room: bool = True) -> list[list[Completion]]:
-    "n completions of each prompt (P × n); greedy at temperature 0. Batch k samples from a generator seeded `seed + k`."
+             require_room: bool = True, progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+    "n completions of each prompt (P × n); greedy at temperature 0. Batch k samples from a generator seeded `seed + k`; `progress(prompts)` after each batch."
     wants = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     if require_room:
         check_room(model, prompts, wants)
@@ -97,6 +97,8 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int | l
         new = torch.stack(steps, 1).tolist() if steps else [[] for _ in rows]    # (B, ≤ budget)
         for r, ids in enumerate(new):
             out[idx[r // n]][r % n] = _completion(ids, set(stop_ids))
+        if progress:
+            progress(len(idx))
     return out
 
 # %% ../../nbs/10d_engine.ipynb #f001b558
@@ -164,7 +166,7 @@ def _load(cls, checkpoint: str | os.PathLike, tokenizer: str | os.PathLike | Non
         raise CheckpointError(f"{path}: no such checkpoint folder")
     config = config or recorded_config(path)
     if tokenizer is None:
-        tokenizer = next((p / "tokenizer.json" for p in path.resolve().parents if (p / "tokenizer.json").is_file()), None)
+        tokenizer = checkpoint_tokenizer(path)
         if tokenizer is None:
             raise ConfigError(f"no tokenizer.json in the folders above {path}: pass its tokenizer")
     if not Path(tokenizer).is_file():

@@ -9,12 +9,11 @@ it is told and nothing else."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import random
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,8 +30,8 @@ from ..core import ConfigError, Preset, load_preset, project_root, resolve_devic
 from ..corpus import load_embedded, load_udhr
 from ..engine import generate
 from ..tokenization import TokenizerConfig, load_tokenizer
-from ..models.registry import context_limit, model_config
-from ..training.checkpoint import CheckpointError, checkpoints, latest_valid_checkpoint, load_model
+from ..models.registry import context_limit
+from ..training.checkpoint import CheckpointError, find_checkpoint, load_model, trained_tokenizer
 from ..training.curriculum import load_curriculum
 from ..training.data import DataConfig, token_pools
 
@@ -40,7 +39,8 @@ from ..training.data import DataConfig, token_pools
 __all__ = ['SENTENCE_END', 'EvaluationConfig', 'encode_pair', 'score_tokens', 'generate_texts', 'parse_batch_size',
            'detect_batch_size', 'OpenPretrainLM', 'udhr_versions', 'udhr_documents', 'validation_documents',
            'window_hashes', 'TrainedText', 'trained_texts', 'trained_overlap', 'validation_sentences',
-           'continuation_items', 'heldout_tasks', 'write_tasks', 'evaluate', 'checkpoint_folder', 'main', 'hf_backend']
+           'continuation_items', 'heldout_tasks', 'write_tasks', 'run_tasks', 'results_table', 'evaluate', 'main',
+           'hf_backend']
 
 # %% ../../../nbs/13_evaluation.ipynb #efdb1554
 @dataclass(kw_only=True)
@@ -75,8 +75,8 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> t
 
 # %% ../../../nbs/13_evaluation.ipynb #6bed8b9f
 @torch.no_grad()
-def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max_length: int,
-                 batch_size: int = 8) -> list[tuple[float, bool]]:
+def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max_length: int, batch_size: int = 8,
+                 progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
     "(context ids, continuation ids) pairs → [(sum of continuation log-probs, continuation is greedy)], in order."
     longest = max((len(cont) for _, cont in pairs), default=0)
     if longest > max_length:
@@ -96,12 +96,14 @@ def score_tokens(model: nn.Module, pairs: list[tuple[list[int], list[int]]], max
             n, cont = len(rows[r]), torch.tensor(pairs[i][1])  # the row holds the whole continuation and a token before
             lp = logprobs[r, n - len(cont):n]                                  # (len(cont), V)
             out[i] = (lp.gather(-1, cont[:, None]).sum().item(), bool((lp.argmax(-1) == cont).all()))
+        if progress:
+            progress(len(idx))
     return out
 
 # %% ../../../nbs/13_evaluation.ipynb #d9a5e64c
 @torch.no_grad()
 def generate_texts(model: nn.Module, tokenizer, requests: list[tuple[str, dict]], max_length: int,
-                   batch_size: int = 8) -> list[str]:
+                   batch_size: int = 8, progress: Callable[[int], None] | None = None) -> list[str]:
     "Greedy continuations of (context, gen_kwargs) requests, cut at the first `until` string, EoD or `max_gen_toks` tokens."
     prompts, budgets, stops = [], [], []
     for context, kwargs in requests:
@@ -110,7 +112,8 @@ def generate_texts(model: nn.Module, tokenizer, requests: list[tuple[str, dict]]
         budgets.append(int(kwargs.get("max_gen_toks", 256)))
         prompts.append(tokenizer.encode(context)[-max(max_length - budgets[-1], 1):] or [tokenizer.bos_id])
     out = []
-    completions = generate(model, prompts, budgets, stop_ids=(tokenizer.eos_id,), batch_size=batch_size)
+    completions = generate(model, prompts, budgets, stop_ids=(tokenizer.eos_id,), batch_size=batch_size,
+                           progress=progress)
     for (completion,), stop in zip(completions, stops):
         text = tokenizer.tok.decode(completion.body)
         cuts = [text.index(s) for s in stop if s and s in text]
@@ -132,13 +135,22 @@ def _rolling_pairs(tokenizer, texts: list[str], prefix_id: int,
     return pairs, owner
 
 # %% ../../../nbs/13_evaluation.ipynb #6a0967fe
-def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, preset: Preset, device: str | None) -> nn.Module:
-    "`model`, or the model of a trainer checkpoint of `preset` (exactly one of them), in eval mode on `device`."
+def _model_to_evaluate(model: nn.Module | None, checkpoint: str | None, device: str | None) -> nn.Module:
+    "`model`, or the model a checkpoint holds (the config it records; exactly one of them), in eval mode on `device`."
     if (model is None) == (checkpoint is None):
         raise ValueError("OpenPretrainLM needs exactly one of model= or checkpoint=")
     if model is None:
-        model = load_model(checkpoint, model_config(preset))
+        model = load_model(checkpoint)
     return model.to(device or next(model.parameters()).device).eval()
+
+def _tokenizer_of(tokenizer, checkpoint: str | None, vocab_size: int, preset: str):
+    "A tokenizer object as given; else (a name or path, or None) the checkpoint's own, else the preset's."
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    default = load_preset(preset).section("tokenizer", TokenizerConfig)
+    if checkpoint is None:
+        return load_tokenizer(tokenizer or default)
+    return trained_tokenizer(checkpoint, vocab_size, tokenizer, default)
 
 # %% ../../../nbs/13_evaluation.ipynb #1adeadb4
 def _request_args(requests) -> list[tuple]:
@@ -176,14 +188,14 @@ def detect_batch_size(model: nn.Module, length: int, max_batch_size: int = 64) -
 
 # %% ../../../nbs/13_evaluation.ipynb #015bf8a4
 class OpenPretrainLM(LM):
-    "lm-eval model over an openpretrain dense or hybrid model (object, or a trainer checkpoint + its preset)."
+    "lm-eval model over an openpretrain dense or hybrid model (object, or a checkpoint or run folder)."
     def __init__(self, model: nn.Module | None = None, tokenizer=None, *, checkpoint: str | None = None,
                  preset: str = "tiny", batch_size: int | str = 8, max_length: int | None = None,
                  device: str | None = None, max_batch_size: int | None = None):
-        super().__init__()
-        p = load_preset(preset)   # lm-eval's entry point: `--model_args checkpoint=…,preset=…` names it
-        self.model = model = _model_to_evaluate(model, checkpoint, p, device)
-        self.tokenizer = tokenizer or load_tokenizer(p.section("tokenizer", TokenizerConfig))
+        super().__init__()       # lm-eval's entry point: `--model_args checkpoint=…` names a checkpoint or a run
+        self.checkpoint = str(find_checkpoint(checkpoint)) if checkpoint is not None else None
+        self.model = model = _model_to_evaluate(model, self.checkpoint, device)
+        self.tokenizer = _tokenizer_of(tokenizer, self.checkpoint, model.config.vocab_size, preset)
         self.batch_size = parse_batch_size(batch_size)
         self.max_batch_size = max_batch_size or 64  # where `auto` starts its search (lm-eval's hf default)
         self.max_length = int(max_length or context_limit(model.config) or 2048)
@@ -192,12 +204,14 @@ class OpenPretrainLM(LM):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [encode_pair(self.tokenizer, *args, self.prefix_id) for args in _request_args(requests)]
         longest = max((min(len(c) + len(x) - 1, self.max_length) for c, x in pairs), default=1)  # tokens of a row
-        return score_tokens(self.model, pairs, self.max_length, self._batch_size(longest))
+        with _bar(len(pairs), "loglikelihood", disable_tqdm) as bar:
+            return score_tokens(self.model, pairs, self.max_length, self._batch_size(longest), bar.update)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         texts = [text for text, in _request_args(requests)]
         pairs, owner = _rolling_pairs(self.tokenizer, texts, self.prefix_id, self.max_length)
-        scores = score_tokens(self.model, pairs, self.max_length, self._batch_size(self.max_length))  # as lm-eval's hf
+        with _bar(len(pairs), "loglikelihood_rolling (windows)", disable_tqdm) as bar:   # as lm-eval's hf: full rows
+            scores = score_tokens(self.model, pairs, self.max_length, self._batch_size(self.max_length), bar.update)
         totals = [0.0] * len(requests)
         for i, (lp, _) in zip(owner, scores):
             totals[i] += lp
@@ -205,11 +219,24 @@ class OpenPretrainLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         args = _request_args(requests)
-        return generate_texts(self.model, self.tokenizer, args, self.max_length, self._batch_size(self.max_length))
+        with _bar(len(args), "generate_until", disable_tqdm) as bar:
+            return generate_texts(self.model, self.tokenizer, args, self.max_length, self._batch_size(self.max_length),
+                                  bar.update)
+
+    def get_model_info(self) -> dict:
+        "What lm-eval adds to its results' `config` (its hf backend: parameters and dtype), and the checkpoint read."
+        p = next(self.model.parameters())
+        return {"checkpoint": self.checkpoint, "arch": self.model.config.arch, "tokenizer": self.tokenizer.name,
+                "model_num_parameters": sum(x.numel() for x in self.model.parameters()), "model_dtype": str(p.dtype)}
 
     def _batch_size(self, length: int) -> int:
         "The fixed batch size, or lm-eval's `auto` searched for at rows of `length` tokens."
         return self.batch_size if self.batch_size != "auto" else detect_batch_size(self.model, length, self.max_batch_size)
+
+def _bar(total: int, what: str, disable: bool):
+    "A progress bar on stderr over one request type's rows (lm-eval's bars stop once the requests are built)."
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=what, unit="row", disable=disable, file=sys.stderr)
 
 if getattr(model_registry.get("openpretrain", None), "__qualname__", None) != "OpenPretrainLM":
     register_model("openpretrain")(OpenPretrainLM)   # lm-eval refuses a second class under one name: a process that
@@ -371,44 +398,57 @@ def write_tasks(bpb: dict[str, list[str]], items: list[dict], out_dir: str | Pat
     return out
 
 # %% ../../../nbs/13_evaluation.ipynb #2e5730cb
-def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None = None):
-    "lm-eval `simple_evaluate` over our local tasks (and any hub task names) → DataFrame (task, metric, value)."
-    import pandas as pd
+def run_tasks(lm: LM, tasks: list[str], task_dir: str | Path | None = None, include_path: str | None = None,
+              **options) -> dict:
+    "lm-eval `simple_evaluate` of `tasks` (our local ones in `task_dir`, any other) → lm-eval's results; `options` are its own."
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    local = all(t.startswith("openpretrain") for t in tasks)  # lm-eval's 10k+ hub task YAMLs are indexed only if needed
-    manager = TaskManager(include_path=str(task_dir), include_defaults=not local)
+    paths = [str(p) for p in (task_dir, include_path) if p] or None
+    ours = all(t.startswith("openpretrain") for t in tasks)   # lm-eval's 10k+ own task YAMLs are indexed only if needed
+    manager = TaskManager(include_path=paths, include_defaults=not ours)
     if unknown := sorted(set(tasks) - set(manager.all_tasks)):
         raise ConfigError(f"tasks {', '.join(unknown)}: no lm-eval task, group or tag of that name")
-    res = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                          bootstrap_iters=0, log_samples=False)
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **options)
+
+def results_table(results: dict) -> pd.DataFrame:
+    "lm-eval's results → one row (task, metric, value) per task and metric; the standard errors stay in the results."
     rows = [{"task": task, "metric": key.split(",")[0], "value": value}
-            for task, metrics in res["results"].items() for key, value in metrics.items()
+            for task, metrics in results["results"].items() for key, value in metrics.items()
             if "," in key and "stderr" not in key and isinstance(value, (int, float))]
-    return pd.DataFrame(rows).sort_values(["task", "metric"], ignore_index=True)
+    return pd.DataFrame(rows, columns=["task", "metric", "value"]).sort_values(["task", "metric"], ignore_index=True)
+
+def evaluate(lm: LM, tasks: list[str], task_dir: str | Path, limit: int | None = None) -> pd.DataFrame:
+    "`run_tasks` over our local tasks (and any hub task names), no standard errors → DataFrame (task, metric, value)."
+    return results_table(run_tasks(lm, tasks, task_dir, limit=limit, bootstrap_iters=0, log_samples=False))
 
 # %% ../../../nbs/13_evaluation.ipynb #21d8ee86
-def checkpoint_folder(path: str | Path) -> Path:
-    "`path`, if it can be one trainer checkpoint (…/checkpoints/step-N); else ConfigError saying what it is instead."
-    path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"--checkpoint {path}: {'a file' if path.exists() else 'no such folder'}, "
-                          "not a checkpoint folder (…/checkpoints/step-NNNNNNNN)")
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if root != path or checkpoints(root):  # a run folder, or its checkpoints/ folder
-        with contextlib.redirect_stderr(io.StringIO()):  # its notes on refused checkpoints: the error stays one line
-            newest = latest_valid_checkpoint(root)
-        found = f"its newest valid checkpoint is {newest}" if newest else "it holds no valid checkpoint"
-        raise ConfigError(f"--checkpoint {path} is a {'run' if root != path else 'checkpoints'} folder, not a "
-                          f"checkpoint: {found}")
-    return path
+def _limit(limit: float | None) -> int | float | None:
+    "lm-eval's --limit: a whole count of examples per task (≥ 1), or a share of them (below 1)."
+    if limit is not None and (limit <= 0 or (limit >= 1 and limit != int(limit))):
+        raise ConfigError(f"--limit must be a whole count ≥ 1 or a share between 0 and 1, got {limit:g}")
+    return int(limit) if limit is not None and limit >= 1 else limit
 
-def _load(p: Preset, checkpoint: Path) -> nn.Module:
-    "The model of preset `p` holding `checkpoint`'s weights; ConfigError if they fail verification or are another model's."
-    try:
-        return load_model(checkpoint, model_config(p))
-    except CheckpointError as e:       # a damaged checkpoint, or another preset's model (chapter 10a names which knob)
-        raise ConfigError(f"--checkpoint {e}") from None
+def _seeds(text: str) -> list[int | None]:
+    "lm-eval's --seed: python,numpy,torch,fewshot seeds ('None' leaves one unset), or one integer for all four."
+    parts = text.split(",") * (4 if "," not in text else 1)
+    if len(parts) != 4:
+        raise ValueError(text)
+    return [None if s == "None" else int(s) for s in parts]
+
+def _check_outputs(args) -> None:
+    "--out's folder exists and its JSON does not overwrite it; --output_path can be created; samples need it."
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ConfigError(f"--out {args.out}: its folder does not exist")
+    if args.out and Path(args.out).suffix == ".json":
+        raise ConfigError(f"--out {args.out}: names the CSV; lm-eval's results JSON is written beside it")
+    if args.log_samples and not args.output_path:
+        raise ConfigError("--log_samples writes the samples under --output_path: give one")
+    if args.output_path:
+        folder = Path(args.output_path)
+        try:
+            (folder.parent if folder.suffix == ".json" else folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--output_path {folder}: cannot be created ({e.strerror or e})") from None
 
 # %% ../../../nbs/13_evaluation.ipynb #10e60f01
 class _Parser(argparse.ArgumentParser):
@@ -417,38 +457,100 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 def main(argv: list[str] | None = None) -> int:
-    "openpretrain eval: run lm-eval tasks on a trainer checkpoint; any error is one line on stderr and exit status 2."
+    "openpretrain eval: run lm-eval tasks on a checkpoint or run; any error is one line on stderr and exit status 2."
     try:
         return _eval(argv)
     except ConfigError as e:
         print(f"openpretrain eval: {e}", file=sys.stderr)
         return 2
 
-def _eval(argv: list[str] | None) -> int:
-    "Evaluate the checkpoint `argv` names; prints and optionally writes the results table."
-    ap = _Parser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint")
-    ap.add_argument("--checkpoint", required=True, help="a trainer checkpoint folder (…/checkpoints/step-N)")
-    ap.add_argument("--preset", default="tiny", help="the preset the checkpoint was trained with")
-    ap.add_argument("--tasks", nargs="+", help="task or tag names; default: the preset's evaluation.tasks")
-    ap.add_argument("--limit", type=int, help="examples per task")
-    ap.add_argument("--out", help="write the results as CSV here")
+def _flags() -> _Parser:
+    ap = _Parser(prog="openpretrain eval", description="lm-evaluation-harness on a checkpoint, or on a run's newest "
+                 "verified checkpoint: the model it records, lm-eval's options as `lm_eval run` names them.")
+    ap.add_argument("--checkpoint", required=True, help="a checkpoint folder (…/checkpoints/step-N) or a run folder "
+                    "(its newest verified checkpoint)")
+    ap.add_argument("--preset", default="tiny", help="whose evaluation section sets the default tasks, the batch size "
+                    "and the local tasks' held-out check, and whose tokenizer is used where the run kept none")
+    ap.add_argument("--tokenizer", help="tokenizer name or tokenizer.json (default: the run's, else the preset's)")
+    ap.add_argument("--out", help="write the results table as CSV here and lm-eval's results JSON beside it (.json)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto")
-    args = ap.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit must be at least 1, got {args.limit}")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise ConfigError(f"--out {args.out}: its folder does not exist")
+    lm = ap.add_argument_group("lm-eval's options (as `lm_eval run` takes them)")
+    lm.add_argument("--tasks", "-t", nargs="+", help="task, group or tag names, space- or comma-separated "
+                    "(default: the preset's evaluation.tasks)")
+    lm.add_argument("--num_fewshot", "-f", type=int, help="examples in the few-shot context")
+    lm.add_argument("--limit", "-L", type=float, help="examples per task: a count, or a share below 1")
+    lm.add_argument("--batch_size", "-b", help="an integer, auto or auto:N (default: the preset's evaluation.batch_size)")
+    lm.add_argument("--max_batch_size", type=int, help="where auto starts its search (default 64)")
+    lm.add_argument("--output_path", "-o", help="lm-eval's results file or folder (results_<date>.json, and "
+                    "samples_<task>_<date>.jsonl with --log_samples)")
+    lm.add_argument("--log_samples", "-s", action="store_true", help="write every document, prompt and response")
+    lm.add_argument("--seed", type=_seeds, default=_seeds("0,1234,1234,1234"),
+                    help="python,numpy,torch,fewshot seeds, or one for all (default 0,1234,1234,1234)")
+    lm.add_argument("--gen_kwargs", nargs="+", help="generation arguments of generate_until tasks, key=value …")
+    lm.add_argument("--include_path", help="a folder of further lm-eval task YAMLs")
+    lm.add_argument("--system_instruction", help="text put before every prompt")
+    lm.add_argument("--bootstrap_iters", type=int, default=100000,
+                    help="bootstrap draws for the stderr of metrics with no closed form (0: no stderr)")
+    lm.add_argument("--write_out", "-w", action="store_true", help="print the prompts of the first documents")
+    lm.add_argument("--predict_only", "-x", action="store_true", help="responses only, no metrics")
+    return ap
+
+# %% ../../../nbs/13_evaluation.ipynb #e4f5a6b7
+def _eval(argv: list[str] | None) -> int:
+    "Evaluate the checkpoint or run `argv` names; prints lm-eval's table, writes what --out and --output_path ask."
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import make_table
+    args = _flags().parse_args(argv)
+    limit, seeds = _limit(args.limit), args.seed
+    _check_outputs(args)
     p = load_preset(args.preset)
     cfg = p.section("evaluation", EvaluationConfig)
-    model = _load(p, checkpoint_folder(args.checkpoint))
-    lm = OpenPretrainLM(model, load_tokenizer(p.section("tokenizer", TokenizerConfig)), batch_size=cfg.batch_size,
-                        max_length=cfg.max_length, device=resolve_device(args.device))
-    bpb, items, _ = heldout_tasks(cfg, trained_texts([p], cfg.heldout_ngram))  # held out from its curriculum
-    table = evaluate(lm, args.tasks or cfg.tasks, write_tasks(bpb, items), args.limit)
-    print(table.to_string(index=False))
-    if args.out:
-        table.to_csv(args.out, index=False)
+    tasks = [t for arg in args.tasks or cfg.tasks for t in arg.split(",") if t]
+    lm = _lm(args, cfg)
+    task_dir = None
+    if any(t.startswith("openpretrain") for t in tasks):       # our local tasks, held out from the preset's curriculum
+        bpb, items, _ = heldout_tasks(cfg, trained_texts([p], cfg.heldout_ngram))
+        task_dir = write_tasks(bpb, items)
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    device = str(next(lm.model.parameters()).device)
+    results = run_tasks(lm, tasks, task_dir, args.include_path, num_fewshot=args.num_fewshot, limit=limit,
+                        batch_size=lm.batch_size, max_batch_size=lm.max_batch_size, device=device,
+                        bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples,
+                        gen_kwargs=",".join(args.gen_kwargs or []) or None, system_instruction=args.system_instruction,
+                        write_out=args.write_out, predict_only=args.predict_only, evaluation_tracker=tracker,
+                        model_args={"pretrained": lm.checkpoint}, random_seed=seeds[0], numpy_random_seed=seeds[1],
+                        torch_random_seed=seeds[2], fewshot_random_seed=seeds[3])
+    results["config"] |= {"preset": p.name, "tasks": tasks}
+    samples = results.pop("samples", None)
+    print(f"{lm.checkpoint} ({p.name}), limit: {limit}, num_fewshot: {args.num_fewshot}, batch_size: {lm.batch_size}")
+    print(make_table(results))
+    _write(results, samples, args.out, tracker)
     return 0
+
+def _lm(args, cfg: EvaluationConfig) -> OpenPretrainLM:
+    "The model of the checkpoint (or run) `--checkpoint` names, with its tokenizer; a damaged one is one line."
+    device = resolve_device(args.device)
+    try:
+        batch_size = parse_batch_size(args.batch_size or cfg.batch_size)
+        return OpenPretrainLM(checkpoint=args.checkpoint, tokenizer=args.tokenizer, preset=args.preset,
+                              batch_size=batch_size, max_batch_size=args.max_batch_size, max_length=cfg.max_length,
+                              device=device)
+    except CheckpointError as e:
+        raise ConfigError(f"--checkpoint {e}") from None
+    except ValueError as e:                              # a batch size lm-eval would not parse, a tokenizer
+        raise ConfigError(str(e)) from None
+
+def _write(results: dict, samples: dict | None, out: str | None, tracker) -> None:
+    "The table as CSV at `out` with lm-eval's results JSON beside it; lm-eval's own files through `tracker`."
+    from lm_eval.utils import handle_non_serializable
+    if out:
+        results_table(results).to_csv(out, index=False)
+        Path(out).with_suffix(".json").write_text(json.dumps(results, indent=2, default=handle_non_serializable,
+                                                             ensure_ascii=False) + "\n")
+    if tracker:
+        tracker.save_results_aggregated(results=results, samples=samples)
+        for task in results["configs"] if samples else []:
+            tracker.save_results_samples(task_name=task, samples=samples[task])
 
 # %% ../../../nbs/13_evaluation.ipynb #4108924b
 def hf_backend(hf_dir: str | Path, tokenizer, max_length: int, batch_size: int = 8):

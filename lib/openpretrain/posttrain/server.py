@@ -39,7 +39,7 @@ from starlette.routing import Route
 from ..chat import check_messages
 from ..core import ConfigError, bounded, from_dict
 from ..engine import ChatModel, room, stream
-from ..training.checkpoint import CheckpointError
+from ..training.checkpoint import CheckpointError, find_checkpoint
 
 
 # %% auto #0
@@ -714,7 +714,8 @@ def _flags() -> argparse.ArgumentParser:
     d = ServeConfig()
     ap = _Flags(prog="openpretrain serve",
                 description="an OpenAI-compatible server for a checkpoint (a base model: completions only)")
-    ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N)")
+    ap.add_argument("--checkpoint", required=True, help="a verified checkpoint folder (…/checkpoints/step-N), or a run "
+                    "folder (its newest verified checkpoint)")
     ap.add_argument("--tokenizer", help="its tokenizer.json: a chat tokenizer, or a base model's plain one "
                                         "(default: the nearest one in the folders above it)")
     ap.add_argument("--host", default=d.host)
@@ -741,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _flags().parse_args(argv)
         c = _config(args)
         sock = _listen(c.host, c.port)                                  # before the model: a taken port fails at once
-        served = ChatModel.load(args.checkpoint, args.tokenizer, name=c.name, require_chat=False)
+        served = ChatModel.load(find_checkpoint(args.checkpoint), args.tokenizer, name=c.name, require_chat=False)
     except (ConfigError, CheckpointError, OSError, ValueError) as e:
         if sock is not None:
             sock.close()

@@ -29,8 +29,8 @@ from ..core import ConfigError, Preset, bounded, load_preset, sha256_file, to_di
 from ..engine import ChatModel
 from ..models.registry import build_model, context_limit, model_config
 from ..tokenization import HFTokenizer, load_tokenizer
-from ..training.checkpoint import (CheckpointError, export_hf, latest_valid_checkpoint, load_model, publish_checkpoint,
-                                               save_weights, verify_checkpoint)
+from ..training.checkpoint import (CheckpointError, export_hf, find_checkpoint, latest_valid_checkpoint,
+                                              load_model, publish_checkpoint, save_weights, verify_checkpoint)
 from ..training.data import Batch
 from ..training.optim import OptimConfig, warmup_then
 from ..training.plan import RowLoader, TrainConfig, fingerprint, micro_batch_for, plan
@@ -274,19 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     from openpretrain.core import FolderInUse, project_root
     ap = argparse.ArgumentParser(prog="openpretrain sft", description="fine-tune a preset's pretrained model (chapter 16)")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path (its sft section)")
-    ap.add_argument("--from", dest="start", required=True, help="a verified checkpoint of the preset's pretrained model")
+    ap.add_argument("--from", dest="start", required=True, help="a verified checkpoint of the preset's pretrained model, "
+                    "or its run folder (the newest verified checkpoint)")
     ap.add_argument("--out", default=None, help="run folder (default: runs/<preset>-sft); an existing one resumes")
     args = ap.parse_args(argv)
     try:
-        if not Path(args.start).is_dir():
-            raise CheckpointError(f"--from {args.start}: no such checkpoint folder")
-        verify_checkpoint(Path(args.start))                   # before any data is built
+        start = find_checkpoint(args.start)
+        verify_checkpoint(start)                               # before any data is built
         p = load_preset(args.preset)
         c = p.section("sft", SFTConfig)
         tok = chat_tokenizer(load_tokenizer(p))                # loaded once: the data and the run share it
         conversations, _, table = sft_data(c, tok)
         print(table.to_string(index=False), file=sys.stderr)
-        path = finetune(p, args.start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations, tok)
+        path = finetune(p, start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations, tok)
     except (ConfigError, CheckpointError, FolderInUse, OSError, ValueError) as e:
         print(f"openpretrain sft: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ it writes)."""
 # %% ../../../nbs/10a_checkpoint.ipynb #fbbce02e
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -30,12 +32,12 @@ from ..core import ConfigError, from_dict, sha256_file, to_dict
 from ..models.registry import build_model, config_class, to_hf
 
 # %% auto #0
-__all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'CheckpointError', 'write_checkpoint', 'temp_folder', 'seal',
-           'verify_checkpoint', 'check_finite', 'finite_weights', 'checkpoints', 'latest_valid_checkpoint',
-           'prune_checkpoints', 'publish_checkpoint', 'checkpoint_format', 'split_optimizer', 'join_optimizer',
-           'run_files', 'capture_state', 'save_sharded', 'save_checkpoint', 'SafeReader', 'check_tensors',
-           'read_tensors', 'restore_state', 'agreed_checkpoint', 'recorded_config', 'load_model',
-           'consolidated_weights', 'load_weights', 'export_hf', 'save_weights']
+__all__ = ['MANIFEST', 'FORMATS', 'STATE', 'STEP', 'TEMP', 'TOKENIZER', 'CheckpointError', 'write_checkpoint', 'temp_folder',
+           'seal', 'verify_checkpoint', 'check_finite', 'finite_weights', 'checkpoints', 'latest_valid_checkpoint',
+           'prune_checkpoints', 'find_checkpoint', 'checkpoint_tokenizer', 'trained_tokenizer', 'publish_checkpoint',
+           'checkpoint_format', 'split_optimizer', 'join_optimizer', 'run_files', 'capture_state', 'save_sharded',
+           'save_checkpoint', 'SafeReader', 'check_tensors', 'read_tensors', 'restore_state', 'agreed_checkpoint',
+           'recorded_config', 'load_model', 'consolidated_weights', 'load_weights', 'export_hf', 'save_weights']
 
 # %% ../../../nbs/10a_checkpoint.ipynb #d4e53960
 class CheckpointError(RuntimeError):
@@ -204,6 +206,50 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+# %% ../../../nbs/10a_checkpoint.ipynb #b7e0c1a2
+TOKENIZER = "tokenizer.json"   # a run's tokenizer, in its run folder (or a folder above its checkpoints)
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    "The checkpoint `path` names: itself (a checkpoint folder; its loader verifies it), or a run's newest valid one."
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: {'a file, not a' if path.exists() else 'no such'} checkpoint folder or run folder")
+    if STEP.fullmatch(path.name) or (path / MANIFEST).exists() or (path / STATE).exists():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not (found := checkpoints(root)):
+        raise CheckpointError(f"{path}: neither a checkpoint (no {MANIFEST}) nor a run folder (no "
+                              "checkpoints/step-NNNNNNNN in it)")
+    with contextlib.redirect_stderr(io.StringIO()) as refused:     # one line per refusal, kept for the error
+        newest = latest_valid_checkpoint(root)
+    if newest is None:
+        first = refused.getvalue().splitlines()[0].removeprefix("refusing checkpoint: ").split("; falling back")[0]
+        raise CheckpointError(f"{path}: none of its {len(found)} checkpoints verifies (the newest: {first})")
+    sys.stderr.write(refused.getvalue())                           # newer ones refused: said, as a resume says them
+    return newest
+
+def checkpoint_tokenizer(checkpoint: str | os.PathLike) -> Path | None:
+    "The nearest tokenizer.json in the folders above a checkpoint: its run's (chapter 11) or its chat tokenizer (16)."
+    return next((p / TOKENIZER for p in Path(checkpoint).resolve().parents if (p / TOKENIZER).is_file()), None)
+
+def trained_tokenizer(checkpoint: str | os.PathLike, vocab_size: int, tokenizer=None, default=None):
+    "`tokenizer` (name, tokenizer.json or TokenizerConfig), else the checkpoint's own, else `default`: loaded, of `vocab_size` ids."
+    from openpretrain.tokenization import HFTokenizer, load_tokenizer
+    found = None if tokenizer else checkpoint_tokenizer(checkpoint)
+    spec = tokenizer or found or default
+    if spec is None:
+        raise ConfigError(f"{checkpoint}: no tokenizer.json in the folders above it (a run written before runs kept "
+                          "theirs); pass --tokenizer NAME|PATH, e.g. its preset's tokenizer.name")
+    name = str(spec) if isinstance(spec, (str, os.PathLike)) else spec.name     # a TokenizerConfig: its name
+    try:
+        tok = HFTokenizer.from_file(found, str(found)) if found else load_tokenizer(spec)   # a run's: named by its path
+    except Exception as e:                          # unknown names, missing files; tokenizers' own on a bad file
+        raise ConfigError(f"tokenizer {name}: {str(e).splitlines()[0][:200]}") from None
+    if tok.vocab_size != vocab_size:
+        raise ConfigError(f"tokenizer {name} has {tok.vocab_size:,} ids, the model {vocab_size:,}: "
+                          "pass the tokenizer it was trained with (--tokenizer)")
+    return tok
 
 # %% ../../../nbs/10a_checkpoint.ipynb #3f2c7d87
 def publish_checkpoint(src: Path, dst: Path, expected: dict | None = None) -> Path:

@@ -26,15 +26,15 @@ from torch import Tensor, nn
 # %% auto #0
 __all__ = ['PRETRAINING', 'STEP_KEYS', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError', 'train_step', 'kept_rows',
            'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants', 'step_batches', 'train_loop',
-           'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh', 'start_run', 'build_run',
-           'start_from', 'resume_run', 'train', 'train_preset', 'main']
+           'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh', 'keep_tokenizer', 'start_run',
+           'build_run', 'start_from', 'resume_run', 'train', 'train_preset', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
 from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
 from ..models import registry
-from .checkpoint import (CheckpointError, agreed_checkpoint, checkpoint_format, checkpoints,
-                                              latest_valid_checkpoint, load_weights, prune_checkpoints, restore_state,
-                                              save_checkpoint)
+from .checkpoint import (TOKENIZER, CheckpointError, agreed_checkpoint, checkpoint_format,
+                                              checkpoints, latest_valid_checkpoint, load_weights, prune_checkpoints,
+                                              restore_state, save_checkpoint)
 from .goldfish import DropCounter, label_mask
 from .optim import build_optimizer, clip_grad
 from .parallel import (all_sum, autocast, device_of, flushing_denormals, gradient_sync,
@@ -42,6 +42,7 @@ from .parallel import (all_sum, autocast, device_of, flushing_denormals, gradien
                                             training_precision, unwrap)
 from .data import Loader
 from .plan import LoaderFactory, Plan, fingerprint, plan, token_loader
+from ..tokenization import HFTokenizer
 
 # %% ../../../nbs/11_train.ipynb #03ca8e3b
 class Objective(Protocol):
@@ -272,6 +273,18 @@ def check_fresh(out: Path) -> None:
         raise ConfigError(f"--out {out} already holds a run (metrics.jsonl, {len(checkpoints(out / 'checkpoints'))} "
                           "checkpoints): pass --resume to continue it, or choose another folder")
 
+def keep_tokenizer(out: Path, tokenizer, resume: bool) -> None:
+    "The run's tokenizer.json in its folder, where export and evaluation find it; a resume must train with the same one."
+    if not isinstance(tokenizer, HFTokenizer):     # a tiktoken or SentencePiece vocabulary: no tokenizer.json to keep
+        return
+    kept = out / TOKENIZER
+    if resume and kept.is_file() and HFTokenizer.from_file(kept).fingerprint != tokenizer.fingerprint:
+        raise ConfigError(f"--out {out} was trained with another tokenizer ({kept}); resume it with that one, "
+                          "or choose another folder")
+    tmp = out / f".{TOKENIZER}.{os.getpid()}.tmp"
+    tokenizer.tok.save(str(tmp))
+    os.replace(tmp, kept)
+
 # %% ../../../nbs/11_train.ipynb #f7f4dda7
 @contextlib.contextmanager
 def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = False,
@@ -290,6 +303,7 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
             held.enter_context(folder_lock(run_folder(out), "training run"))
             if not resume:
                 check_fresh(out)
+            keep_tokenizer(out, pl.tok, resume)
         run = build_run(pl, out, accelerator, loader_factory)
         if resume:
             resume_run(run)
