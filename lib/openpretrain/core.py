@@ -290,7 +290,7 @@ class Preset:
         try:
             return from_dict(cls, self.raw.get(key) or {}, f"{self.name}.{key}")
         except ConfigError as e:
-            knob = e.field.split(".", 1)[1] if e.field and "." in e.field else key
+            knob = e.field.split(".", 1)[1] if e.field and "." in e.field else _named_knob(str(e), key)
             raise ConfigError(f"{self.where(knob)}: {e}", e.field) from None
 
     def where(self, knob: str) -> str:
@@ -301,6 +301,10 @@ class Preset:
             return f"{by} (deriving {self.path.name})"
         line = next((self.lines[k] for k in prefixes if k in self.lines), None)
         return f"{self.path}:{line}" if line else str(self.path)
+
+def _named_knob(message: str, key: str) -> str:
+    "The first `key.knob` a config's own check names in its message (`train.keep_last must be ≥ 1`), else `key`."
+    return m[0] if (m := re.search(rf"(?<![\w.]){re.escape(key)}(?:\.\w+)+", message)) else key
 
 # %% ../../nbs/00_core.ipynb #9d128cec
 RUN_KEY_TYPES = {"preset": str, "description": str, "seed": int, "device": str}  # the run's identity, typed
