@@ -207,6 +207,6 @@ def test_sft_starts_from_a_runs_newest_verified_checkpoint(trained, tmp_path, mo
     from openpretrain.posttrain import sft
     run = trained("dense")
     started = []
-    monkeypatch.setattr(sft, "finetune", lambda p, start, out, conversations, tok: started.append(start) or out)
+    monkeypatch.setattr(sft, "finetune", lambda p, start, out, conversations, tok, *rest: started.append(start) or out)
     assert cli(["sft", "--from", str(run), "--out", str(tmp_path / "sft")]) == 0
     assert started == [latest_valid_checkpoint(run / "checkpoints")]

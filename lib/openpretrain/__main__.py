@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from .core import ConfigError, configs_dir, list_presets, load_preset, outputs_root, project_root
+from .core import SET_HELP, ConfigError, configs_dir, list_presets, load_preset, outputs_root, project_root
 from .pages import render_report
 from .report import ChapterFailed, check_report, read_settings, run_report
 
@@ -26,10 +26,10 @@ __all__ = ['writable_folder', 'parser', 'main']
 # %% ../../nbs/91_cli.ipynb #767daefb
 def _report(args) -> int:
     s = read_settings(args.settings)
-    s = replace(s, **{k: v for k, v in dict(preset=args.preset, outputs=args.outputs, seed=args.seed,
-                                               device=args.device, numerics=args.numerics).items() if v is not None})
-    if args.pages and (args.check or args.only):
-        raise ConfigError("--pages re-renders an existing output folder: it takes neither --check nor --only")
+    s = replace(s, **{k: v for k, v in dict(preset=args.preset, outputs=args.outputs, seed=args.seed, device=args.device,
+                                               numerics=args.numerics, overrides=args.set or None).items() if v is not None})
+    if args.pages and (args.check or args.only or args.set):
+        raise ConfigError("--pages re-renders an existing output folder: it takes no --check, --only or --set")
     try:
         if args.pages:
             print(f"report: {render_report(s.out_dir)}")
@@ -124,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rerun into a temporary folder and compare tables and figures with the committed manifest")
     r.add_argument("--pages", action="store_true",
                    help="only re-render pages/, index.html and the claims ledger of an existing output folder")
+    r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help=f"every chapter's preset: {SET_HELP}; not the committed report: needs its own --outputs, no --check")
     r.set_defaults(run=_report)
     c = sub.add_parser("compliance", help="robots → toxicity → PII over the preset's corpus (datatrove)")
     c.add_argument("--preset", default="tiny", help="preset name or path to a preset YAML file")
@@ -136,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
                                 "(chapter 13; lm_eval's flags: --tasks, --num_fewshot, --limit, --output_path, …)"),
                                ("sft", "posttrain.sft", "fine-tune a pretrained checkpoint or run on the licensed, "
                                 "decontaminated SFT data (chapter 16)"),
-                               ("serve", "posttrain.server", "an OpenAI-compatible server for a chat checkpoint or run "
-                                "(chapter 17a)")):
+                               ("align", "posttrain.preference", "align a fine-tuned model by QRPO or DPO (chapter 17)"),
+                               ("serve", "posttrain.server", "an OpenAI-compatible server for a checkpoint or run: chat "
+                                "models on both endpoints, base models on /v1/completions (chapter 17a)")):
         sub.add_parser(name, help=help, add_help=False).set_defaults(run=_delegate(module), delegated=True)
     e = sub.add_parser("export", help="a checkpoint (or a run's newest) as a transformers folder: config, safetensors, "
                        "tokenizer (and chat template)", description="Write CHECKPOINT as a transformers model folder OUT "

@@ -33,12 +33,12 @@ import yaml
 from fastcore.basics import patch_to
 
 # %% auto #0
-__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'NUMERICS_ENV', 'CPU_ISA_FLAGS',
-           'CHAPTER_NAME', 'VERDICTS', 'project_root', 'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse',
-           'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets',
-           'load_preset', 'as_preset', 'seed_everything', 'resolve_device', 'numerics', 'compile_cache', 'outputs_root',
-           'Artifacts', 'Tolerance', 'Verdict', 'by_construction', 'not_comparable', 'holds', 'within', 'effect',
-           'paper_vs_ours']
+__all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'SET_ENV', 'SET_HELP',
+           'NUMERICS_ENV', 'CPU_ISA_FLAGS', 'CHAPTER_NAME', 'VERDICTS', 'project_root', 'data_dir', 'configs_dir',
+           'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'read_yaml',
+           'Preset', 'list_presets', 'load_preset', 'report_overrides', 'as_preset', 'parse_setting', 'seed_everything',
+           'resolve_device', 'numerics', 'compile_cache', 'outputs_root', 'Artifacts', 'Tolerance', 'Verdict',
+           'by_construction', 'not_comparable', 'holds', 'within', 'effect', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -124,10 +124,19 @@ def _coerce(tp, value, where: str):
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}", where)
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}{_read_as_text(tp, value)}", where)
     if tp is float and not math.isfinite(value):
         raise ConfigError(f"{where}: {value} is not a valid value (NaN and infinities never are)", where)
     return value
+
+def _read_as_text(tp, value) -> str:
+    "A hint where YAML read a float without a decimal point (`1e-3`) as text: the number as YAML reads a float."
+    if tp is float and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            if math.isfinite(x := float(value)):
+                text = repr(x) if "." in repr(x) else repr(x).replace("e", ".0e")   # 1e-05 → 1.0e-05
+                return f" (YAML reads {value} as text: write {text})"
+    return ""
 
 # %% ../../nbs/00_core.ipynb #4a73a6fe
 def _coerce_union(args: tuple, value, where: str):
@@ -281,7 +290,7 @@ class Preset:
         try:
             return from_dict(cls, self.raw.get(key) or {}, f"{self.name}.{key}")
         except ConfigError as e:
-            knob = e.field.split(".", 1)[1] if e.field and "." in e.field else key
+            knob = e.field.split(".", 1)[1] if e.field and "." in e.field else _named_knob(str(e), key)
             raise ConfigError(f"{self.where(knob)}: {e}", e.field) from None
 
     def where(self, knob: str) -> str:
@@ -292,6 +301,10 @@ class Preset:
             return f"{by} (deriving {self.path.name})"
         line = next((self.lines[k] for k in prefixes if k in self.lines), None)
         return f"{self.path}:{line}" if line else str(self.path)
+
+def _named_knob(message: str, key: str) -> str:
+    "The first `key.knob` a config's own check names in its message (`train.keep_last must be ≥ 1`), else `key`."
+    return m[0] if (m := re.search(rf"(?<![\w.]){re.escape(key)}(?:\.\w+)+", message)) else key
 
 # %% ../../nbs/00_core.ipynb #9d128cec
 RUN_KEY_TYPES = {"preset": str, "description": str, "seed": int, "device": str}  # the run's identity, typed
@@ -327,7 +340,14 @@ def load_preset(name_or_path: str | os.PathLike) -> Preset:
     if not ARTIFACT_NAME.fullmatch(name):
         raise ConfigError(f"{path}:{lines.get('preset', 1)}: preset name {name!r} must be lower-case words joined by "
                           "hyphens (it names the run's folders: runs/<name>, outputs/<name>)", "preset")
-    return Preset(name=name, path=path, raw=raw, lines=lines)
+    return report_overrides(Preset(name=name, path=path, raw=raw, lines=lines))
+
+SET_ENV = "OPENPRETRAIN_SET"   # the report's --set for its chapters' kernels: JSON {"preset": name, "set": ["section.key=value", …]}
+
+def report_overrides(p: Preset) -> Preset:
+    "`p` with the report's `--set` (`Preset.override`, below) where $OPENPRETRAIN_SET names it: chapters load it by name."
+    spec = json.loads(os.environ.get(SET_ENV) or "null")
+    return p.override(spec["set"]) if spec and spec["preset"] == p.name else p
 
 def as_preset(preset: Preset | str | os.PathLike) -> Preset:
     "A loaded preset as it is, a name or path loaded: a command reads its preset file once and passes the object on."
@@ -362,6 +382,47 @@ def _check_run_key(key: str, value, by: str) -> None:
     if not isinstance(value, tp) or isinstance(value, bool) or (key == "seed" and not 0 <= value <= MAX_SEED):
         expected = f"an int in [0, {MAX_SEED}]" if key == "seed" else f"a {tp.__name__}"
         raise ConfigError(f"{by}: {key}: expected {expected}, got {value!r}", key)
+
+# %% ../../nbs/00_core.ipynb #6a168da4
+SET_HELP = ("a preset knob, as if its YAML set it; the value is read as YAML; repeatable "
+            "(--set optim.lr=0.001 --set train.milestones=[10,20]; also seed=N, device=D)")
+
+def parse_setting(setting: str) -> tuple[list[str], object]:
+    "`section.key=value` → the knob's path and its value as YAML reads it; `seed=N` and `device=D` set the run keys."
+    knob, eq, text = setting.partition("=")
+    path = knob.split(".")
+    if not eq or not all(path) or (len(path) == 1 and knob not in ("seed", "device")):
+        raise ConfigError(f"--set {setting}: expected section.key=value (or seed=N, device=D)")
+    try:
+        return path, yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {knob}: {text!r} is not a YAML value ({getattr(e, 'problem', None) or e})") from None
+
+@patch_to(Preset)
+def override(self, settings: list[str]) -> Preset:
+    "This preset with each `--set` setting applied in turn: a `derive` by the flag itself, marking only its own knob."
+    p = self
+    for setting in settings:
+        path, value = parse_setting(setting)
+        knob = ".".join(path)
+        by = f"--set {knob}"
+        if len(path) == 1:
+            p = p.derive(by, **{knob: value})
+            continue
+        section, key, *inner = path
+        if inner:                     # a nested knob: its mapping with this one entry replaced
+            value = _with_entry((p.raw.get(section) or {}).get(key), inner, value, f"{section}.{key}", by)
+        q = p.derive(by, **{section: {key: value}})
+        q.set_by = {k: v for k, v in p.set_by.items() if k != knob and not k.startswith(knob + ".")} | {knob: by}
+        p = q
+    return p
+
+def _with_entry(mapping, keys: list[str], value, where: str, by: str) -> dict:
+    "A copy of `mapping` (None: empty) with `value` at the path `keys`; a value on the way that is no mapping: an error."
+    if not isinstance(mapping := {} if mapping is None else mapping, dict):
+        raise ConfigError(f"{by}: {where} is {mapping!r}, not a mapping of knobs")
+    key, *rest = keys
+    return {**mapping, key: _with_entry(mapping.get(key), rest, value, f"{where}.{key}", by) if rest else value}
 
 # %% ../../nbs/00_core.ipynb #aa807c89
 def seed_everything(seed: int) -> None:

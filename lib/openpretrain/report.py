@@ -24,14 +24,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from unittest import mock
 
-from .core import ConfigError, list_presets, load_preset, project_root, sha256_file
+from .core import SET_ENV, ConfigError, Preset, as_preset, list_presets, load_preset, project_root, sha256_file
 
 # %% auto #0
 __all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
            'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
-           'preset_parameters', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report', 'with_upstream',
-           'last_timings', 'git_state', 'collect_artifacts', 'write_index', 'compare_manifests', 'read_tolerance',
-           'within_tolerance', 'columns_within_tolerance', 'loosest', 'reuse_upstream', 'check_report', 'say_numerics']
+           'report_preset', 'preset_parameters', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report',
+           'with_upstream', 'last_timings', 'git_state', 'collect_artifacts', 'write_index', 'compare_manifests',
+           'read_tolerance', 'within_tolerance', 'columns_within_tolerance', 'loosest', 'reuse_upstream',
+           'check_report', 'say_numerics']
 
 # %% ../../nbs/90_report.ipynb #b46b565b
 def discover_chapters(nbs: str | Path | None = None) -> list[str]:
@@ -52,6 +53,7 @@ class ReportSettings:
     cell_timeout: int = 3600         # seconds one cell may run (small's chapter 11a grid: one cell of ~40 min)
     numerics: str = "native"         # native | portable: ATen, oneDNN and MKL pinned to AVX2 (so fp32), see below
     chapters: list[str] = field(default_factory=discover_chapters)  # notebook stems, in report order
+    overrides: list[str] = field(default_factory=list)  # `--set section.key=value` on every chapter's preset (a flag only)
 
     @property
     def out_dir(self) -> Path:
@@ -94,8 +96,9 @@ PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",  # 
                 "OPENBLAS_CORETYPE": "Haswell"}                               # NumPy's OpenBLAS (the USE embedder)
 
 def chapter_env(s: ReportSettings) -> dict[str, str]:
-    "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the pins."
-    return {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent), **(PORTABLE_ENV if s.numerics == "portable" else {})}
+    "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the pins, the --set."
+    return {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent), **(PORTABLE_ENV if s.numerics == "portable" else {}),
+            **({SET_ENV: json.dumps({"preset": s.preset, "set": s.overrides})} if s.overrides else {})}
 
 def machine_numerics(s: ReportSettings) -> dict:
     "`numerics()` as a chapter's kernel sees it: a fresh interpreter in the chapter's environment."
@@ -121,13 +124,19 @@ def check_settings(s: ReportSettings) -> ReportSettings:
     out = s.out_dir.resolve()
     if inside := next((d for d in SOURCE_FOLDERS if out.is_relative_to((project_root() / d).resolve())), None):
         raise ConfigError(f"outputs {s.outputs!r} puts the report inside {inside}/, which a report never writes")
-    preset_parameters(s.preset)
+    if s.overrides and out.parent == (project_root() / "outputs").resolve():
+        raise ConfigError("--set changes the preset, so its report is not the committed outputs/: pass --outputs DIR")
+    preset_parameters(report_preset(s))
     return s
 
-def preset_parameters(preset: str | os.PathLike) -> dict[str, dict]:
+def report_preset(s: ReportSettings) -> Preset:
+    "The preset the chapters run under: configs/<preset>.yaml with the run's `--set` (chapter 00's `Preset.override`)."
+    return load_preset(s.preset).override(s.overrides)
+
+def preset_parameters(preset: Preset | str | os.PathLike) -> dict[str, dict]:
     "The preset's `chapters:` section, checked: chapter → the papermill parameters it sets, each one the chapter declares."
     import papermill as pm
-    p = load_preset(preset)
+    p = as_preset(preset)
     chapters, nbs = p.raw.get("chapters") or {}, project_root() / "nbs"
     for chapter, params in chapters.items():
         src = nbs / f"{chapter}.ipynb"
@@ -164,7 +173,7 @@ def run_chapter(chapter: str, s: ReportSettings) -> float:
     dst.parent.mkdir(parents=True, exist_ok=True)
     run = dict(preset=s.preset, outputs=str(Path(s.outputs)), seed=s.seed, device=s.device)
     params = {k: v for k, v in run.items() if k in pm.inspect_notebook(str(src))}  # only what the chapter declares
-    params |= preset_parameters(s.preset).get(chapter, {})                         # and what the preset sets for it
+    params |= preset_parameters(report_preset(s)).get(chapter, {})                 # and what the preset sets for it
     t0 = time.perf_counter()
     try:
         with mock.patch.dict(os.environ, chapter_env(s)):
@@ -246,7 +255,7 @@ def write_index(s: ReportSettings, times: dict[str, float] | None = None, state:
             for c in s.chapters if c in (times or {}) or (c in old and c in made)}
     meta = dict(preset=s.preset, commit=state["commit"], tracked_changes=state["tracked_changes"], seed=s.seed,
                 device=s.device, generated=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                chapters=s.chapters, ran=sorted(times or {}), runs=runs)
+                chapters=s.chapters, ran=sorted(times or {}), runs=runs, **({"set": s.overrides} if s.overrides else {}))
     (out / "manifest.json").write_text(json.dumps(dict(meta, artifacts=arts), indent=1) + "\n")
     (out / "timings.csv").write_text("chapter,seconds,commit\n" + "".join(
         f"{c},{r['seconds']},{r['commit']}\n" for c, r in runs.items()))
@@ -356,6 +365,8 @@ def reuse_upstream(src: Path, dst: Path, chapters: list[str]) -> list[str]:
 
 def check_report(s: ReportSettings, only: list[str] | None = None) -> list[str]:
     "Rerun the chapters into a temporary folder and compare their tables and figures with `s`'s manifest."
+    if s.overrides:
+        raise ConfigError("--check reruns the committed report: it takes no --set")
     manifest = s.out_dir / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"no committed manifest to check against: {manifest} does not exist")

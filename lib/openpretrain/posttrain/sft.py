@@ -250,7 +250,7 @@ def sft_data(c: SFTConfig, tokenizer) -> tuple[list[dict], pd.DataFrame, pd.Data
 
 # %% ../../../nbs/16_sft.ipynb #ef38248a
 def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os.PathLike, conversations: list[dict],
-             tokenizer: HFTokenizer | None = None) -> Path:
+             tokenizer: HFTokenizer | None = None, max_steps: int | None = None, resume: bool = True) -> Path:
     "Fine-tune preset `p`'s model from a base checkpoint (None: a fresh initialisation) on `conversations` into `out`."
     c, out = p.section("sft", SFTConfig), Path(out)
     check_seq_len(p, c)
@@ -261,37 +261,40 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os
     tmp = out / f"tokenizer.json.{os.getpid()}.tmp"          # one per writer: concurrent starts never interleave
     tok.tok.save(str(tmp))
     os.replace(tmp, out / "tokenizer.json")
-    pl = plan(sft_preset(p, out / "tokenizer.json", tok.vocab_size, len(rows.ids)))
+    pl = plan(sft_preset(p, out / "tokenizer.json", tok.vocab_size, len(rows.ids)), max_steps)
     start = base_checkpoint and chat_start(model_config(p), base_checkpoint, pl.model, out / "start")
     def loader(pl_, tokenizer, rank, world_size, label_mask):
         return SFTLoader(rows, pl_.train.micro_batch, tokenizer.bos_id, rank, world_size, pl_.preset.seed)
-    train(pl, out / "run", resume=True, loader_factory=loader, init=start)
+    train(pl, out / "run", resume, loader_factory=loader, init=start)
     return latest_valid_checkpoint(out / "run" / "checkpoints", fingerprint(pl))
 
 # %% ../../../nbs/16_sft.ipynb #e627d5bb
 def main(argv: list[str] | None = None) -> int:
-    "`openpretrain sft --preset tiny --from CHECKPOINT [--out DIR]`; a run that cannot start prints one line, exit 2."
-    from openpretrain.core import FolderInUse, project_root
-    ap = argparse.ArgumentParser(prog="openpretrain sft", description="fine-tune a preset's pretrained model (chapter 16)")
+    "`openpretrain sft --preset tiny --from CHECKPOINT [--out DIR] [--max-steps N] [--resume] [--set section.key=value …]`."
+    from openpretrain.core import SET_HELP, project_root
+    from openpretrain.training.trainer import CANNOT_START, run_command
+    ap = argparse.ArgumentParser(prog="openpretrain sft", description="fine-tune a preset's pretrained model (chapter 16); "
+                                 "prints the run folder and each checkpoint; Ctrl-C or SIGTERM checkpoints after the "
+                                 "current step (exit 130/143)")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path (its sft section)")
     ap.add_argument("--from", dest="start", required=True, help="a verified checkpoint of the preset's pretrained model, "
                     "or its run folder (the newest verified checkpoint)")
-    ap.add_argument("--out", default=None, help="run folder (default: runs/<preset>-sft); an existing one resumes")
+    ap.add_argument("--out", default=None, help="folder of the chat tokenizer and the run (default: runs/<preset>-sft)")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the sft epochs)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its newest valid checkpoint")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
     args = ap.parse_args(argv)
-    try:
+    def job() -> Path:
         start = find_checkpoint(args.start)
         verify_checkpoint(start)                               # before any data is built
-        p = load_preset(args.preset)
+        p = load_preset(args.preset).override(args.set)
         c = p.section("sft", SFTConfig)
         tok = chat_tokenizer(load_tokenizer(p))                # loaded once: the data and the run share it
         conversations, _, table = sft_data(c, tok)
         print(table.to_string(index=False), file=sys.stderr)
-        path = finetune(p, start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations, tok)
-    except (ConfigError, CheckpointError, FolderInUse, OSError, ValueError) as e:
-        print(f"openpretrain sft: {e}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
+        return finetune(p, start, args.out or project_root() / "runs" / f"{p.name}-sft", conversations, tok,
+                        args.max_steps, args.resume)
+    return run_command("openpretrain sft", job, (*CANNOT_START, ValueError))
 
 # %% ../../../nbs/16_sft.ipynb #710dec4f
 PUBLISHED = Path("sft")   # under <outputs>/<preset>/: the first seed's fine-tuned model (model/) and its chat tokenizer (chapter 17 reads them)

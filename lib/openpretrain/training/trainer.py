@@ -13,8 +13,11 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,13 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # %% auto #0
-__all__ = ['PRETRAINING', 'STEP_KEYS', 'Objective', 'CrossEntropy', 'ZLoss', 'Run', 'NonFiniteError', 'train_step', 'kept_rows',
-           'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share', 'run_constants', 'step_batches', 'train_loop',
-           'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh', 'keep_tokenizer', 'start_run',
-           'build_run', 'start_from', 'resume_run', 'train', 'train_preset', 'main']
+__all__ = ['PRETRAINING', 'STEP_KEYS', 'HOST', 'STOP_SIGNALS', 'CANNOT_START', 'Objective', 'CrossEntropy', 'ZLoss', 'Run',
+           'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share',
+           'run_constants', 'step_batches', 'Interrupted', 'Host', 'stop_handler', 'hosting', 'stop_requested',
+           'announce', 'train_loop', 'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh',
+           'keep_tokenizer', 'start_run', 'build_run', 'start_from', 'resume_run', 'train', 'train_preset',
+           'run_command', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
-from ..core import ConfigError, FolderInUse, folder_lock, project_root, resolve_device, seed_everything
+from ..core import (SET_HELP, ConfigError, FolderInUse, Preset, folder_lock, load_preset, project_root,
+                               resolve_device, seed_everything)
 from ..models import registry
 from .checkpoint import (TOKENIZER, CheckpointError, agreed_checkpoint, checkpoint_format,
                                               checkpoints, latest_valid_checkpoint, load_weights, prune_checkpoints,
@@ -199,52 +205,117 @@ def step_batches(run: Run, device: torch.device) -> list:
         return type(batch)(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(batch).items()})
     return [to(run.loader.next_batch()) for _ in range(run.plan.accumulation(run.step))]
 
+# %% ../../../nbs/11_train.ipynb #be825641
+class Interrupted(BaseException):
+    "A hosted run a signal stopped: after its step `step`, checkpointed, or at once (no step). A BaseException, as Ctrl-C's."
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None, last: Path | None = None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name} at step {step}: checkpoint written to {checkpoint}; resume with --resume"
+                         if step is not None else f"interrupted by {name} outside a training step, stopped at once; "
+                         + (f"the last checkpoint written: {last}" if last else "no checkpoint written"))
+
+@dataclass
+class Host:
+    "What the command hosting `train_loop` asks of it (`hosting` sets it): print where it writes; stop between steps."
+    active: bool = False          # inside `hosting`: a command's run
+    stepping: bool = False        # a hosted train_loop is running: a signal waits for the end of its step
+    signum: int | None = None     # the signal that asked for the stop
+    last: Path | None = None      # the last checkpoint this process sealed (rank 0)
+
+HOST = Host()                                     # this process's
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)    # Ctrl-C; a scheduler's (SLURM: before its SIGKILL) or `kill`'s
+
+def stop_handler(signum: int, frame=None) -> None:
+    "What `hosting` installs: while a step runs, a flag the loop checks after it; else, or a second time, `Interrupted` now."
+    if HOST.stepping and HOST.signum is None:
+        HOST.signum = signum                       # the loop finishes the step, checkpoints and raises
+    else:
+        raise Interrupted(signum, last=HOST.last)  # no step running, or a second signal
+
+@contextlib.contextmanager
+def hosting():
+    "For a command's duration: SIGINT and SIGTERM end `train_loop` after its step, checkpointed; elsewhere at once."
+    in_main = threading.current_thread() is threading.main_thread()   # only it gets signals (a test's worker thread: none)
+    previous = {s: signal.signal(s, stop_handler) for s in STOP_SIGNALS} if in_main else {}
+    HOST.active, HOST.signum, HOST.last = True, None, None
+    try:
+        yield HOST
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        HOST.active = HOST.stepping = False
+
+def stop_requested(run: Run) -> int | None:
+    "The signal that asked a hosted run to stop, agreed by every rank (a rank that got none takes SIGTERM); else None."
+    if not HOST.active:
+        return None
+    asked = all_sum(torch.tensor(float(HOST.signum is not None), device=device_of(run.accelerator)))
+    return (HOST.signum or signal.SIGTERM) if asked.item() > 0 else None
+
+def announce(line: str) -> None:
+    "A hosted run's line on stdout (where it writes), above its progress bar; unhosted, nothing."
+    if HOST.active:
+        from tqdm.auto import tqdm
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
 # %% ../../../nbs/11_train.ipynb #583595a4
 def train_loop(run: Run, objective: Objective = PRETRAINING) -> None:
-    "Advance `run` to its plan's last step under `objective`, logging every step and checkpointing on schedule."
+    "Advance `run` to its plan's last step under `objective`, logging every step and checkpointing on schedule; hosted, a signal ends it after its step, checkpointed."
     from tqdm.auto import tqdm
     pl, acc, device = run.plan, run.accelerator, device_of(run.accelerator)
     flops, peak = run_constants(run)
     bar = tqdm(total=pl.steps, initial=run.step, desc=f"train {pl.preset.name}", unit="step",
                disable=not acc.is_main_process)
-    while run.step < pl.steps:
-        t0 = time.perf_counter()
-        batches = step_batches(run, device)
-        lr = pl.schedule.apply(run.optimizer, run.step)
-        try:
-            result = train_step(run, batches, objective)
-        except NonFiniteError as e:
-            raise NonFiniteError(f"step {run.step + 1}: {e}; stopped before the optimizer step, weights untouched; "
-                                 f"last verified checkpoint: {last_verified(run)}") from None
-        run.step += 1
-        row = metrics_row(pl, run.step, lr, result)
-        for hook in run.hooks:
-            row |= hook(run)
-        row |= {k: v for k, v in result.items() if k not in STEP_KEYS}
-        sync(device)
-        seconds = time.perf_counter() - t0
-        n = row["batch_size"] * pl.data.seq_len
-        row |= {"tokens_per_s": n / seconds, "mfu": flops * n / seconds / (peak * acc.num_processes)}
-        if run.log:
-            run.log.write(row)
-        bar.update()
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        if run.step % pl.train.checkpoint_every == 0 or run.step == pl.steps or run.step in pl.train.milestones:
-            save(run)
-    bar.close()
+    HOST.stepping = HOST.active
+    try:
+        while run.step < pl.steps:
+            t0 = time.perf_counter()
+            batches = step_batches(run, device)
+            lr = pl.schedule.apply(run.optimizer, run.step)
+            try:
+                result = train_step(run, batches, objective)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"step {run.step + 1}: {e}; stopped before the optimizer step, weights untouched; "
+                                     f"last verified checkpoint: {last_verified(run)}") from None
+            run.step += 1
+            row = metrics_row(pl, run.step, lr, result)
+            for hook in run.hooks:
+                row |= hook(run)
+            row |= {k: v for k, v in result.items() if k not in STEP_KEYS}
+            sync(device)
+            seconds = time.perf_counter() - t0
+            n = row["batch_size"] * pl.data.seq_len
+            row |= {"tokens_per_s": n / seconds, "mfu": flops * n / seconds / (peak * acc.num_processes)}
+            if run.log:
+                run.log.write(row)
+            bar.update()
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            stop = stop_requested(run)
+            if stop or run.step % pl.train.checkpoint_every == 0 or run.step == pl.steps or run.step in pl.train.milestones:
+                checkpoint = save(run)
+            if stop:
+                raise Interrupted(stop, run.step, checkpoint)
+    finally:
+        HOST.stepping = False
+        bar.close()
 
 # %% ../../../nbs/11_train.ipynb #85fccb2e
-def save(run: Run) -> None:
-    "Checkpoint `run` at its step over finite weights, every rank taking part; rank 0 then prunes old checkpoints."
+def save(run: Run) -> Path | None:
+    "Checkpoint `run` at its step over finite weights, every rank taking part; rank 0 then prunes old ones and gets its path."
     cfg, acc = run.plan.train, run.accelerator
     if not weights_finite(run.model, device_of(acc)):
         raise NonFiniteError(f"step {run.step}: the weights are not finite after the optimizer step (an overflow); not "
                              f"checkpointed; last verified checkpoint: {last_verified(run)}")
     fmt = checkpoint_format(cfg.checkpoint_format, cfg.parallel, acc.num_processes)
-    save_checkpoint(run.checkpoints, run.model, run.optimizer, run.loader, run.step, fmt, fingerprint(run.plan))
+    path = save_checkpoint(run.checkpoints, run.model, run.optimizer, run.loader, run.step, fmt, fingerprint(run.plan))
     if acc.is_main_process:
         prune_checkpoints(run.checkpoints, cfg.keep_last, cfg.milestones)
+        announce(f"checkpoint: {path}")
+        HOST.last = path
     acc.wait_for_everyone()
+    return path
 
 def weights_finite(model: nn.Module, device: torch.device) -> bool:
     "Whether every rank's parameters (its shards under FSDP2) are finite."
@@ -303,6 +374,7 @@ def start_run(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool =
             held.enter_context(folder_lock(run_folder(out), "training run"))
             if not resume:
                 check_fresh(out)
+            announce(f"run: {out}")
             keep_tokenizer(out, pl.tok, resume)
         run = build_run(pl, out, accelerator, loader_factory)
         if resume:
@@ -357,27 +429,43 @@ def train(pl: Plan, out_dir: str | os.PathLike | None = None, resume: bool = Fal
         train_loop(run, objective)
     return run.out / "metrics.jsonl"
 
-def train_preset(preset: str, out_dir: str | os.PathLike | None = None, max_steps: int | None = None,
+def train_preset(preset: Preset | str, out_dir: str | os.PathLike | None = None, max_steps: int | None = None,
                  resume: bool = False, **kw) -> Path:
     "Read and check a preset once (`plan`, over torchrun's WORLD_SIZE processes), then `train` it; `kw` go to `train`."
     return train(plan(preset, max_steps, int(os.environ.get("WORLD_SIZE", 1))), out_dir, resume, **kw)
 
 # %% ../../../nbs/11_train.ipynb #e28c9f62
+CANNOT_START = (ConfigError, CheckpointError, FolderInUse, OSError)   # a run that cannot start: one line, exit 2
+
+def run_command(prog: str, job: Callable[[], Path], cannot_start: tuple[type[Exception], ...] = CANNOT_START) -> int:
+    "A training command's exit status: `job` run hosted, its final checkpoint printed last (0); one line for 2, 1, 128 + signal."
+    try:
+        with hosting():
+            final = job()
+    except Interrupted as e:                                # checkpointed after its step, or stopped before one
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except cannot_start as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:                             # the run started and stopped
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", 0)) == 0:                 # torchrun's other processes: rank 0 says it
+        print(f"final checkpoint: {final}")
+    return 0
+
 def main(argv: list[str] | None = None) -> int:
-    "`openpretrain train --preset tiny [--max-steps N] [--out DIR] [--resume]`; a run that cannot start prints one line, exit 2."
-    ap = argparse.ArgumentParser(prog="openpretrain train", description="pretrain a preset's model")
+    "`openpretrain train --preset tiny [--max-steps N] [--out DIR] [--resume] [--set section.key=value …]`."
+    ap = argparse.ArgumentParser(prog="openpretrain train", description="pretrain a preset's model; prints the run folder "
+                                 "and each checkpoint; Ctrl-C or SIGTERM checkpoints after the current step (exit 130/143)")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path")
     ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the token budget)")
     ap.add_argument("--out", default=None, help="run folder for metrics.jsonl and checkpoints (default: runs/<preset>)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
     args = ap.parse_args(argv)
-    try:
-        path = train_preset(args.preset, args.out, args.max_steps, args.resume)
-    except (ConfigError, CheckpointError, FolderInUse, OSError) as e:   # the run cannot start: one line
-        print(f"openpretrain train: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:                                          # the run started and stopped
-        print(f"openpretrain train: {e}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
+    def job() -> Path:
+        metrics = train_preset(load_preset(args.preset).override(args.set), args.out, args.max_steps, args.resume)
+        return checkpoints(metrics.parent / "checkpoints")[-1]   # the last step's, sealed by this run or the one it resumed
+    return run_command("openpretrain train", job)
