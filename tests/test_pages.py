@@ -4,6 +4,7 @@ import contextlib
 import csv
 import io
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -108,19 +109,58 @@ def test_the_ledger_holds_every_row_of_every_paper_vs_ours_table_with_a_link(rep
     assert "loss \\| gap" in md and md.count("\n| 03_demo |") == 2
 
 
-def test_the_index_opens_with_the_ledger_and_its_counts_then_the_parts(report):
+def test_the_index_opens_with_a_summary_then_the_ledger_then_the_parts(report):
     page = render_report(report).read_text()
-    at = [page.index(s) for s in ("id='claims'", "4 claims:", "<table class='ledger'", "id='chapters'",
-                                  "id='part-data'", "id='part-evaluation'", "id='run'")]
+    at = [page.index(s) for s in ("id='summary'", "4 claims:", "What reproduces at <code>tiny</code>: 1 claim",
+                                  "id='claims'", "<table class='ledger'", "id='chapters'", "id='part-data'",
+                                  "id='part-evaluation'", "id='run'")]
     assert at == sorted(at)
-    counts = page[page.index("4 claims:"):page.index("<table class='ledger'")]
+    counts = page[page.index("4 claims:"):page.index("What reproduces")]
     assert [v for v in VERDICTS if f">{v}</span> " in counts] == list(VERDICTS)  # every verdict, in order, zeros too
+    assert "<a href='?verdict=same%20direction%2C%20weaker#claims'>" in counts  # each count: the ledger, filtered
     assert "<strong>Claim (§3).</strong> Demo claims <em>hold</em> at every scale." in page  # the chapter's own words
     assert "The rest of the chapter" not in page and "Reads nothing" not in page
     assert "Data · 03" in page and "Evaluation · 12" in page and "2.5 s" in page and "7.2 s" in page
     assert "<a href='../gpu-1/index.html'>gpu-1</a>, <b>tiny</b></p>" in page and "scratch" not in page
     for f in ("manifest.json", "timings.csv", "claims.csv", "claims.md"):
         assert f"href='{f}'" in page and (report / f).is_file()
+    assert page.count("<script>") == 1 and "src=" not in page[page.index("<script>"):]  # one inline script, no CDN
+
+
+def test_the_summary_puts_measured_claims_before_matched_numbers_and_names_the_presets(report):
+    table(report / "tables" / "12_probe-paper-vs-ours-effects.csv", [
+        ("effect size", "-0.3", "-0.5", "", "reproduces", "ours -0.5 vs paper -0.3, noise 0.05"),
+        ("ordering", "yes", "yes", "", "reproduces", "A below B: yes")])
+    small = report.parent / "small"                   # a sibling preset where the demo's number reproduces too
+    table(small / "tables" / "03_demo-paper-vs-ours.csv", [("loss | gap", "0.06", "0.061", "", "reproduces", "r"),
+                                                          ("vocabulary", "131,072", "131,072", "", "reproduces", "r")])
+    (small / "manifest.json").write_text(json.dumps({"preset": "small", "runs": {}, "artifacts": []}))
+    (small / "pages").mkdir()
+    (small / "pages" / "03_demo.html").write_text("<p>small</p>")
+    page = render_report(report).read_text()
+    summary = page[page.index("id='summary'"):page.index("id='claims'")]
+    labels = [summary.index(s) for s in ("measured beyond the noise", "a claim of the paper, checked on this run",
+                                         "a published number, matched", "reproduces under another preset only",
+                                         "by construction · 1")]
+    assert labels == sorted(labels)
+    assert summary.index(">effect size</a>") < summary.index(">ordering</a>") < summary.index(">loss | gap</a>")
+    assert ">loss | gap</a> <span class='meta'>03 · tiny, small</span>" in summary  # it reproduces under both
+    assert "<a href='../small/pages/03_demo.html'>vocabulary</a>" in summary and "here by construction" in summary
+
+
+def test_the_ledger_prints_numbers_for_people_and_keeps_their_values_for_sorting(report):
+    table(report / "tables" / "12_probe-paper-vs-ours.csv", [
+        ("languages", "1811.0", "432.0", "", "not comparable", "r"), ("tokens", "15000000000000.0", "7.924e+06", "",
+                                                                      "not comparable", "r"),
+        ("share", "0.4", "0.7770000000000001", "", "not comparable", "r"), ("kv", "≈ 6 KB", "6,144 B", "", "reproduces", "r")])
+    page = render_report(report).read_text()
+    ledger = page[page.index("<table class='ledger'"):]
+    for cell in ("<td data-sort='1811.0'>1,811</td>", "<td data-sort='15000000000000.0'>15T</td>",
+                 "<td data-sort='7924000.0'>7,924,000</td>", "<td data-sort='0.7770000000000001'>0.777</td>",
+                 "<td>≈ 6 KB</td>", "<td>6,144 B</td>", "<td data-sort='131072.0'>131,072</td>"):
+        assert cell in ledger, cell
+    assert "| 1,811 | 432 |" in (report / "claims.md").read_text()  # the Markdown ledger is for people too
+    assert [r["paper"] for r in read_csv(report / "claims.csv")][2:4] == ["1811.0", "15000000000000.0"]  # the data stays
 
 
 def test_a_chapter_page_is_self_contained_with_folded_code_and_a_run_header(report):
@@ -133,6 +173,68 @@ def test_a_chapter_page_is_self_contained_with_folded_code_and_a_run_header(repo
     assert "href='../index.html'" in page and "c0ffeec0ffee</code> · 2.5 s" in page
     assert "<a href='../figures/03_demo-bars.png'>03_demo-bars.png</a> · <a href='../figures/03_demo-bars.svg'>svg" in page
     assert "<a href='../tables/03_demo-paper-vs-ours.csv'>03_demo-paper-vs-ours.csv</a> · <a href" in page
+
+
+def test_a_chapter_page_lists_its_headings_beside_the_text_and_each_link_finds_its_heading(report):
+    render_report(report)
+    page = (report / "pages" / "12_probe.html").read_text()
+    toc = page[page.index("<nav class='toc'"):page.index("</nav>")]
+    entries = re.findall(r"<li class='toc-(\d)'><a href='#([^']+)'>([^<]+)</a></li>", toc)
+    assert [(level, text) for level, _, text in entries] == [
+        ("1", "12 · A probe chapter"), ("2", "Results"), ("3", "Timings"), ("2", "Results"), ("2", "Tables and figures")]
+    nb = nbformat.read(report / "notebooks" / "12_probe.ipynb", as_version=4)
+    assert [ref for _, ref, _ in entries][1:] == [  # "Results" twice: each entry goes to its own heading's cell
+        f"cell-id={nb.cells[1].id}", "Timings", f"cell-id={nb.cells[5].id}", "artifacts"]
+    assert set(ref for _, ref, _ in entries) <= Links(report / "pages" / "12_probe.html").ids
+    assert page.index("<nav class='toc'") < page.index("<main>") and "<script" not in page  # no script needed
+
+
+def test_a_page_shows_a_bar_split_over_many_outputs_as_its_last_frame_and_no_machine_path(report):
+    bar = [new_output("stream", name="stderr", text=f"\rtrain: {i:3d}%") for i in range(101)]
+    warning = new_output("stream", name="stderr", text="\n/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py"
+                                                       ":21: TqdmWarning: a warning\n")
+    result = new_output("execute_result", data={"text/plain": "PosixPath('/tmp/tmpab12/tiny/figures/x.png')"})
+    page = output_page(report, *bar, warning, result)
+    assert page.count("train: ") == 1 and "train: 100%" in page
+    assert "…/tqdm/auto.py:21: TqdmWarning" in page and "…/figures/x.png" in page
+    assert "/work/" not in page and "/tmp/" not in page
+
+
+STDERR_LINES = 300  # "a few hundred": the most stderr one committed page may show
+
+
+class Outputs(HTMLParser):
+    "The text of a page's stream and text outputs: stderr apart from the rest."
+    def __init__(self, text: str):
+        super().__init__()
+        self.open, self.stderr, self.other = [], [], []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "div":
+            kind = dict(attrs).get("class") or ""
+            self.open.append("stderr" if "output_stderr" in kind else "other" if "output_text" in kind else "")
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self.open:
+            self.open.pop()
+
+    def handle_data(self, data):
+        if kind := next((k for k in reversed(self.open) if k), None):
+            getattr(self, kind).append(data)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_no_committed_page_shows_more_than_a_few_hundred_lines_of_stderr_or_a_machine_path(preset):
+    pages = sorted((COMMITTED.parent / preset / "pages").glob("*.html"))
+    if not pages:
+        pytest.skip(f"outputs/{preset} has no rendered pages")
+    for page in pages:
+        out = Outputs(page.read_text(encoding="utf-8"))
+        stderr, shown = "".join(out.stderr), "".join(out.stderr + out.other)
+        assert stderr.count("\n") <= STDERR_LINES, (page.name, stderr.count("\n"))
+        assert "IProgress" not in stderr and "\r" not in stderr, page.name
+        assert not re.findall(r"(?<![\w.~/:-])/(?:tmp|work|home|root|usr|opt|Users)/", shown), page.name
 
 
 def test_rendering_twice_writes_the_same_bytes_and_drops_stale_pages(report):
@@ -218,8 +320,8 @@ def test_every_link_of_the_committed_report_resolves_inside_the_folder():
     assert broken_links(COMMITTED) == []
 
 
-def screenshot(page: Path, name: str, tmp_path: Path) -> Path:
-    "A 1280×2000 headless-Chromium screenshot of `page`, kept under build/test-artifacts/screenshots/."
+def screenshot(page: Path, name: str, tmp_path: Path, size: tuple[int, int] = (1280, 2000)) -> Path:
+    "A headless-Chromium screenshot of `page` (`size`: the window), kept under build/test-artifacts/screenshots/."
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("chromium is not on PATH: `make chromium` installs Debian's")
@@ -227,7 +329,7 @@ def screenshot(page: Path, name: str, tmp_path: Path) -> Path:
     shot = SCREENSHOTS / f"{name}.png"
     shot.unlink(missing_ok=True)
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--user-data-dir={tmp_path / 'chromium'}", f"--screenshot={shot}", "--window-size=1280,2000",
+                    f"--user-data-dir={tmp_path / 'chromium'}", f"--screenshot={shot}", f"--window-size={size[0]},{size[1]}",
                     page.resolve().as_uri()], check=True, capture_output=True, timeout=120)
     return shot
 
@@ -256,14 +358,55 @@ def test_a_browser_shows_the_ledger_and_the_figures(report, tmp_path):
     assert ink(probe, (0, 0, 1280, 300)) > 0.01
 
 
+def dump_dom(url: str, tmp_path: Path) -> str:
+    "The DOM headless Chromium holds once `url` has loaded and its script has run."
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not on PATH: `make chromium` installs Debian's")
+    done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'dom'}",
+                           "--dump-dom", url], check=True, capture_output=True, text=True, timeout=120)
+    return done.stdout
+
+
+class LedgerRows(HTMLParser):
+    "The ledger's rows in the order the DOM holds them: verdict, chapter, hidden, and the sort value of each cell."
+    def __init__(self, dom: str):
+        super().__init__()
+        self.rows = []
+        self.feed(dom)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and "data-verdict" in a:
+            self.rows.append(dict(verdict=a["data-verdict"], chapter=a["data-chapter"], hidden="hidden" in a, sort=[]))
+        elif tag == "td" and self.rows:
+            self.rows[-1]["sort"].append(a.get("data-sort"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (COMMITTED / "pages").is_dir(), reason="outputs/tiny has no rendered pages yet")
-def test_a_browser_shows_the_committed_report(tmp_path):
-    index = screenshot(COMMITTED / "index.html", "tiny-index", tmp_path)
-    assert ink(index, (0, 80, 1280, 1200)) > 0.03
-    for chapter in ("05_tokenizers", "11a_ablation"):
-        shot = screenshot(COMMITTED / "pages" / f"{chapter}.html", f"tiny-{chapter}", tmp_path)
-        assert ink(shot, (0, 0, 1280, 2000)) > 0.02
+def test_a_browser_shows_the_committed_report_with_contents_and_a_ledger_that_filters_and_sorts(tmp_path):
+    index = screenshot(COMMITTED / "index.html", "tiny-index", tmp_path, size=(1400, 900))
+    assert ink(index, (0, 0, 1400, 900)) > 0.05  # the first screen: counts and what reproduces
+    for chapter in ("05_tokenizers", "11a_ablation", "18_test_time"):
+        shot = screenshot(COMMITTED / "pages" / f"{chapter}.html", f"tiny-{chapter}", tmp_path, size=(1400, 900))
+        assert ink(shot, (0, 60, 240, 600)) > 0.01 and ink(shot, (260, 60, 1400, 900)) > 0.02  # contents, then text
+        dom = dump_dom((COMMITTED / "pages" / f"{chapter}.html").resolve().as_uri(), tmp_path)
+        assert dom.count("<li class=\"toc-") >= 4, chapter
+    claims, url = read_csv(COMMITTED / "claims.csv"), (COMMITTED / "index.html").resolve().as_uri()
+    rows = LedgerRows(dump_dom(url + "?verdict=reproduces", tmp_path)).rows
+    shown = [r for r in rows if not r["hidden"]]
+    assert len(rows) == len(claims) and {r["verdict"] for r in shown} == {"reproduces"}
+    assert len(shown) == sum(c["verdict"] == "reproduces" for c in claims) > 0
+    rows = LedgerRows(dump_dom(url + "?chapter=05_tokenizers&q=gini", tmp_path)).rows
+    gini = [c for c in claims if c["chapter"] == "05_tokenizers" and "gini" in json.dumps(c, ensure_ascii=False).lower()]
+    assert {r["chapter"] for r in rows if not r["hidden"]} == {"05_tokenizers"} and len(
+        [r for r in rows if not r["hidden"]]) == len(gini) > 0
+    rows = LedgerRows(dump_dom(url + "?sort=-ours", tmp_path)).rows
+    ours = [r["sort"][3] for r in rows]  # the fourth column: ours
+    numbers = [float(v) for v in ours if v is not None]
+    assert ours[:len(numbers)] == [v for v in ours if v is not None]  # numbers first, then words
+    assert numbers == sorted(numbers, reverse=True) and len(numbers) > 10
 
 
 # Outputs are data: what a chapter displays at run time reaches its page through an allow-list.
@@ -409,7 +552,7 @@ def test_a_full_disk_leaves_every_page_whole(report):
 
 
 def test_a_progress_bar_reaches_its_page_as_its_last_frame_only():
-    from openpretrain.pages import final_frames
+    from openpretrain.report import final_frames
     bar = "".join(f"\rtrain:  {i:3d}%|{'#' * (i // 10)}|" for i in range(0, 101, 5))
     assert final_frames(["start\n", bar + "\n", "done\n"]) == "start\ntrain:  100%|##########|\ndone\n"
     assert final_frames("no bar here\n") == "no bar here\n"

@@ -34,11 +34,12 @@ from fastcore.basics import patch_to
 
 # %% auto #0
 __all__ = ['SECTIONS', 'RUN_KEYS', 'MAX_DEPTH', 'RUN_KEY_TYPES', 'MAX_SEED', 'ARTIFACT_NAME', 'SET_ENV', 'SET_HELP',
-           'NUMERICS_ENV', 'CPU_ISA_FLAGS', 'CHAPTER_NAME', 'VERDICTS', 'project_root', 'data_dir', 'configs_dir',
-           'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded', 'from_dict', 'to_dict', 'read_yaml',
-           'Preset', 'list_presets', 'load_preset', 'report_overrides', 'as_preset', 'parse_setting', 'seed_everything',
-           'resolve_device', 'numerics', 'compile_cache', 'outputs_root', 'Artifacts', 'Tolerance', 'Verdict',
-           'by_construction', 'not_comparable', 'holds', 'within', 'effect', 'paper_vs_ours']
+           'NUMERICS_ENV', 'CPU_ISA_FLAGS', 'REPORT_RUN', 'SCRATCH_OUTPUTS', 'CHAPTER_NAME', 'VERDICTS', 'project_root',
+           'data_dir', 'configs_dir', 'sha256_file', 'FolderInUse', 'folder_lock', 'ConfigError', 'bounded',
+           'from_dict', 'to_dict', 'read_yaml', 'Preset', 'list_presets', 'load_preset', 'report_overrides',
+           'as_preset', 'parse_setting', 'seed_everything', 'resolve_device', 'numerics', 'compile_cache',
+           'outputs_root', 'Artifacts', 'Tolerance', 'Verdict', 'by_construction', 'not_comparable', 'holds', 'within',
+           'effect', 'paper_vs_ours']
 
 # %% ../../nbs/00_core.ipynb #c7a98c75
 def project_root() -> Path:
@@ -483,10 +484,26 @@ def compile_cache() -> Path:
     return folder
 
 # %% ../../nbs/00_core.ipynb #c5cf0703
+REPORT_RUN = "OPENPRETRAIN_REPORT_RUN"  # set by the report runner in each chapter's kernel: the one writer of outputs/
+SCRATCH_OUTPUTS = "build/outputs"       # beside it in the checkout: the root of every other run (papermill, nbdev-test)
+
 def outputs_root(root: str | os.PathLike = "outputs") -> Path:
-    "The report root: $OPENPRETRAIN_OUTPUTS when set (the report runner and `make test` set it), else `root` in the checkout."
-    root = Path(os.environ.get("OPENPRETRAIN_OUTPUTS") or root)
-    return root if root.is_absolute() else project_root() / root
+    "The report root: $OPENPRETRAIN_OUTPUTS when set, else `root` in the checkout; the checkout's outputs/ only for the runner."
+    env = os.environ.get("OPENPRETRAIN_OUTPUTS")
+    path = Path(env or root)
+    path = path if path.is_absolute() else project_root() / path
+    if os.environ.get(REPORT_RUN) or not _committed_root(path):
+        return path
+    if env:
+        raise ConfigError(f"OPENPRETRAIN_OUTPUTS={env} is the checkout's outputs/, where the committed reports live and "
+                          f"only `openpretrain report` writes: unset it (a run then writes to {SCRATCH_OUTPUTS}/) or "
+                          "point it at another folder")
+    return path.parent / SCRATCH_OUTPUTS
+
+def _committed_root(path: Path) -> bool:
+    "Is `path` the outputs/ folder of an openpretrain checkout (beside its configs/ and pyproject.toml)?"
+    path = path.resolve()
+    return path.name == "outputs" and (path.parent / "configs").is_dir() and (path.parent / "pyproject.toml").is_file()
 
 CHAPTER_NAME = re.compile(r"[0-9]{2}[a-z]?_[a-z0-9_]+")  # a notebook stem: `05_tokenizers`, `04a_pipeline`
 
@@ -504,7 +521,7 @@ class Artifacts:
 
     @property
     def dir(self) -> Path:
-        "`<root>/<preset>`; $OPENPRETRAIN_OUTPUTS replaces the root (`make test` points it at a scratch folder)."
+        "`<root>/<preset>`, the root as `outputs_root` decides it ($OPENPRETRAIN_OUTPUTS, or build/outputs/ off the runner)."
         return outputs_root(self.root) / self.preset
 
     def path(self, kind: str, name: str, suffix: str) -> Path:

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from unittest import mock
 
-from .core import SET_ENV, ConfigError, Preset, as_preset, list_presets, load_preset, project_root, sha256_file
+from .core import REPORT_RUN, SET_ENV, ConfigError, Preset, as_preset, list_presets, load_preset, project_root, sha256_file
 
 # %% auto #0
-__all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'SOURCE_FOLDERS', 'ARTIFACT_KINDS', 'CHECKED_KINDS', 'NUMBER', 'UPSTREAM',
-           'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env', 'machine_numerics', 'check_settings',
-           'report_preset', 'preset_parameters', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report',
+__all__ = ['SETTING_KEYS', 'NUMERICS', 'PORTABLE_ENV', 'QUIET', 'SOURCE_FOLDERS', 'MACHINE_PATH', 'ARTIFACT_KINDS',
+           'CHECKED_KINDS', 'NUMBER', 'UPSTREAM', 'discover_chapters', 'ReportSettings', 'read_settings', 'chapter_env',
+           'machine_numerics', 'check_settings', 'report_preset', 'preset_parameters', 'final_frames', 'without_paths',
+           'tidy_outputs', 'tidy_notebook', 'ChapterFailed', 'chapter_files', 'run_chapter', 'run_report',
            'with_upstream', 'last_timings', 'git_state', 'collect_artifacts', 'write_index', 'compare_manifests',
            'read_tolerance', 'within_tolerance', 'columns_within_tolerance', 'loosest', 'reuse_upstream',
            'check_report', 'say_numerics']
@@ -95,9 +96,13 @@ PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",  # 
                 "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2",        # MKL's, in its reproducible mode
                 "OPENBLAS_CORETYPE": "Haswell"}                               # NumPy's OpenBLAS (the USE embedder)
 
+QUIET = "ignore:IProgress not found"  # tqdm.auto in a kernel without ipywidgets: a warning naming the venv, then a plain bar
+
 def chapter_env(s: ReportSettings) -> dict[str, str]:
-    "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the pins, the --set."
-    return {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent), **(PORTABLE_ENV if s.numerics == "portable" else {}),
+    "What a chapter's kernel finds in its environment: the report root (08 reads 04a's output there), the runner's flag, the pins, the --set."
+    warnings = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), QUIET) if w)
+    return {"OPENPRETRAIN_OUTPUTS": str(s.out_dir.parent), REPORT_RUN: "1", "PYTHONWARNINGS": warnings,
+            **(PORTABLE_ENV if s.numerics == "portable" else {}),
             **({SET_ENV: json.dumps({"preset": s.preset, "set": s.overrides})} if s.overrides else {})}
 
 def machine_numerics(s: ReportSettings) -> dict:
@@ -152,6 +157,48 @@ def preset_parameters(preset: Preset | str | os.PathLike) -> dict[str, dict]:
 
 SOURCE_FOLDERS = ("data", "nbs", "configs", "lib")  # the checkout's inputs and sources: never an output folder
 
+# %% ../../nbs/90_report.ipynb #10c574e0
+MACHINE_PATH = re.compile(r"(\x1b\[[\d;]*m|(?<![\w.~/:-]))(/(?:[\w.+@-]+/)+[\w.+@-]+)")  # after a colour code too
+
+def final_frames(text) -> str:
+    "A stream as a terminal leaves it: of each line redrawn with carriage returns (a progress bar), its last frame only."
+    text = _text(text)
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
+
+def without_paths(text) -> str:
+    "`text` with every absolute path cut to its last two parts, the machine's folders dropped."
+    return MACHINE_PATH.sub(lambda m: m[1] + "…/" + "/".join(m[2].split("/")[2:][-2:]), _text(text))
+
+def _text(text) -> str:
+    return "".join(text) if isinstance(text, list) else str(text)
+
+# %% ../../nbs/90_report.ipynb #95e38558
+def tidy_outputs(outputs: list) -> list[dict]:
+    "Copies of a cell's outputs as a reader should meet them: streams joined, at their last frames, no machine path."
+    tidy = []
+    for out in json.loads(json.dumps(outputs)):
+        last = tidy[-1] if tidy else {}
+        if out.get("output_type") == "stream" and last.get("output_type") == "stream" and last["name"] == out["name"]:
+            last["text"] = _text(last["text"]) + _text(out["text"])  # a bar's frames arrive in many outputs
+        else:
+            tidy.append(out)
+    for out in tidy:
+        if out.get("output_type") == "stream":
+            out["text"] = without_paths(final_frames(out["text"]))
+        if "text/plain" in out.get("data", {}):
+            out["data"]["text/plain"] = without_paths(out["data"]["text/plain"])
+        if "traceback" in out:
+            out["traceback"] = [without_paths(line) for line in out["traceback"]]
+    return tidy
+
+def tidy_notebook(path: Path) -> None:
+    "Rewrite the executed notebook at `path` with `tidy_outputs` applied to every code cell."
+    import nbformat
+    nb = nbformat.read(path, as_version=4)
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        cell.outputs = [nbformat.from_dict(o) for o in tidy_outputs(cell.outputs)]
+    path.write_text(nbformat.writes(nb), encoding="utf-8")  # as papermill writes it
+
 # %% ../../nbs/90_report.ipynb #83d44894
 ARTIFACT_KINDS = ("notebooks", "figures", "tables", "data")  # what a chapter writes under outputs/<preset>/
 
@@ -181,6 +228,9 @@ def run_chapter(chapter: str, s: ReportSettings) -> float:
                                 execution_timeout=s.cell_timeout, progress_bar={"desc": chapter, "leave": True})
     except pm.PapermillExecutionError as e:
         raise ChapterFailed(f"chapter {chapter} failed in cell {e.exec_count} ({dst}): {e.ename}: {e.evalue}") from None
+    finally:
+        if dst.is_file():  # papermill writes it as the cells run: a failed chapter's too
+            tidy_notebook(dst)
     return time.perf_counter() - t0
 
 # %% ../../nbs/90_report.ipynb #f6a60aed
