@@ -362,6 +362,7 @@ details.input>summary{cursor:pointer;color:#556;font:12px/1.6 ui-monospace,monos
 .v{padding:1px 5px;border-radius:3px;white-space:nowrap}.v-reproduces{background:#cdeccd}
 .v-same-direction-weaker{background:#f6efc0}.v-does-not-reproduce-at-this-scale{background:#f6cccc}
 .v-by-construction{background:#d6e4f5}.v-not-comparable{background:#e4e4e4}
+.v-verified{background:#d2ebe4}.v-does-not-reproduce{background:#eeb0b0}
 .chapter{margin:.6em 0 1em}.chapter p{margin:.2em 0}.meta{color:#556;font-size:13px}
 #summary h2{margin:.4em 0 .2em}#summary h4{margin:.7em 0 .2em;font-size:14px}
 .counts a{text-decoration:none;margin-right:.7em}
@@ -621,13 +622,17 @@ def _summary_html(out: Path, me: str, rows: list[dict], others: dict) -> str:
                       for v, n in verdict_counts(rows).items())
     mine = [r for r in rows if r["verdict"] == "reproduces"]
     groups = [(label, [r for r in mine if evidence(r) == i]) for i, (label, _) in enumerate(EVIDENCE)]
+    verified = [r for r in rows if r["verdict"] == "verified"]
     built = [r for r in rows if r["verdict"] == "by construction"]
     return (f"<section id='summary'><p class='counts'>{len(rows)} claims: {counts}</p>"
             f"<h2>What reproduces at <code>{esc(me)}</code>: {_count(len(mine), 'claim')}, strongest evidence first</h2>"
             + "".join(_group_html(label, group, me, others) for label, group in groups if group)
             + _elsewhere_html(out, rows, others)
-            + (f"<details><summary>by construction · {len(built)}: configuration and arithmetic copied from the "
-               f"reports, which no experiment decided</summary>{_items_html(built, me, {})}</details>" if built else "")
+            + (f"<details><summary>verified · {len(verified)}: our code equals a public reference implementation, or "
+               f"arithmetic on a published configuration gives the paper's number</summary>"
+               f"{_items_html(verified, me, {})}</details>" if verified else "")
+            + (f"<details><summary>by construction · {len(built)}: what the code or the chapter's own test set makes "
+               f"true, which no experiment decided</summary>{_items_html(built, me, {})}</details>" if built else "")
             + "</section>")
 
 def _group_html(label: str, rows: list[dict], me: str, others: dict) -> str:
