@@ -330,8 +330,7 @@ def training_prompts(conversations: list[dict], tok, c: AlignmentConfig,
 
 def sft_model(start: str | os.PathLike) -> tuple[Path, Path]:
     "Chapter 16's fine-tuned checkpoint named by `--from` (sft's --out, a run folder or a checkpoint) and its chat tokenizer."
-    path = Path(start)
-    checkpoint = find_checkpoint(path / "run" if (path / "run" / "checkpoints").is_dir() else path)   # sft's --out holds run/
+    checkpoint = find_checkpoint(start)
     verify_checkpoint(checkpoint)
     if (tok := checkpoint_tokenizer(checkpoint)) is None:
         raise CheckpointError(f"--from {start}: no chat tokenizer.json above {checkpoint} (sft writes it in its --out)")

@@ -211,13 +211,13 @@ def _alive(pid: int) -> bool:
 TOKENIZER = "tokenizer.json"   # a run's tokenizer, in its run folder (or a folder above its checkpoints)
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    "The checkpoint `path` names: itself (a checkpoint folder; its loader verifies it), or a run's newest valid one."
+    "The checkpoint `path` names: itself (a checkpoint folder; its loader verifies it), or a run's newest valid one (also under sft's `run/`)."
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: {'a file, not a' if path.exists() else 'no such'} checkpoint folder or run folder")
     if STEP.fullmatch(path.name) or (path / MANIFEST).exists() or (path / STATE).exists():
         return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    root = next((r for r in (path / "checkpoints", path / "run" / "checkpoints") if r.is_dir()), path)   # run/: sft's --out
     if not (found := checkpoints(root)):
         raise CheckpointError(f"{path}: neither a checkpoint (no {MANIFEST}) nor a run folder (no "
                               "checkpoints/step-NNNNNNNN in it)")
