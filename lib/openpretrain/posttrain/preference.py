@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..core import SET_HELP, ConfigError, Preset, bounded, load_preset, project_root
 from ..chat import END, chat_ids, render
@@ -268,12 +269,13 @@ def alignment_preset(p: Preset, tokenizer_path: str | os.PathLike, vocab_size: i
 
 # %% ../../../nbs/17_alignment.ipynb #799da59c
 def sample_replies(model: nn.Module, prompts: list[list[int]], n: int, max_new_tokens: int, end_id: int,
-                   temperature: float, seed: int) -> list[list[list[int]]]:
-    "n sampled replies per prompt, each up to and including its first `end_id`: P prompts → P × n id lists."
+                   temperature: float, seed: int, progress: str | None = None) -> list[list[list[int]]]:
+    "n sampled replies per prompt, each up to and including its first `end_id`: P prompts → P × n id lists (`progress`: a bar's label)."
     check_room(model, prompts, [max_new_tokens] * len(prompts))
+    rows = enumerate(prompts) if progress is None else tqdm(enumerate(prompts), progress, len(prompts), unit="prompt")
     return [[c.ids for c in generate(model, [ids], max_new_tokens, temperature=temperature, n=n, stop_ids=(end_id,),
                                       seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))[0]]
-            for i, ids in enumerate(prompts)]
+            for i, ids in rows]
 
 def chrf_rewards(tokenizer, replies: list[list[list[int]]], references: list[str]) -> Tensor:
     "Sentence chrF (sacrebleu's defaults) of each decoded reply against its prompt's reference: P × k → (P, k)."
@@ -283,11 +285,12 @@ def chrf_rewards(tokenizer, replies: list[list[list[int]]], references: list[str
 
 # %% ../../../nbs/17_alignment.ipynb #be63028b
 def scored_references(config, checkpoint: str | os.PathLike, tokenizer_path: str | os.PathLike, prompts: list[list[int]],
-                      references: list[str], c: AlignmentConfig, seed: int) -> tuple[list[list[list[int]]], Tensor]:
+                      references: list[str], c: AlignmentConfig, seed: int,
+                      progress: str | None = None) -> tuple[list[list[list[int]]], Tensor]:
     "π_ref's `n_refs` sampled completions of every prompt and their chrF rewards (P, n), drawn under `seed`."
     tok = HFTokenizer.from_file(tokenizer_path)
     replies = sample_replies(load_model(checkpoint, config).eval(), prompts, c.pairs.n_refs, c.max_new_tokens,
-                             chat_ids(tok)[END], c.temperature, seed)
+                             chat_ids(tok)[END], c.temperature, seed, progress)
     return replies, chrf_rewards(tok, replies, references)
 
 # %% ../../../nbs/17_alignment.ipynb #5ed74c16
@@ -356,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         conversations, _, _ = sft_data(p.section("sft", SFTConfig), tok)
         prompts, references, _ = training_prompts(conversations, tok, c, np.random.default_rng(p.seed))
         config = plan(alignment_preset(p, tok_path, tok.vocab_size, c.prompts)).model
-        replies, rewards = scored_references(config, start, tok_path, prompts, references, c, p.seed)
+        replies, rewards = scored_references(config, start, tok_path, prompts, references, c, p.seed,
+                                             progress=f"π_ref: {c.pairs.n_refs} samples a prompt")
         data, pairs = preference_data(prompts, replies, rewards, c.pairs, pad_id=0)
         print(f"{len(data.input_ids)} pairs from {len(prompts)} prompts ({pairs.skipped} without a bottom tier)", file=sys.stderr)
         out = args.out or project_root() / "runs" / f"{p.name}-{args.method}"
