@@ -320,10 +320,15 @@ HOSTILE = ["1." * 50_000, "a-" * 50_000, "1." * 50_000 + "@", "a-" * 25_000 + "@
 
 @pytest.mark.parametrize("text", HOSTILE, ids=lambda t: f"{t[:6]!r}x{len(t)}")
 def test_apertus_mode_is_linear_on_hostile_input(text):
+    "A backtracking regex is quadratic here (hours at 100k characters); a linear one costs about what prose of that length does."
+    prose = ("The quick brown fox writes to the list. " * (len(text) // 40 + 1))[:len(text)]
     for mode in ("apertus", "ours"):
         start = time.perf_counter()
+        anonymize(prose, mode=mode)
+        budget = max(1.0, 20 * (time.perf_counter() - start))   # a loaded machine slows both sides alike
+        start = time.perf_counter()
         anonymize(text, mode=mode)
-        assert time.perf_counter() - start < 1.0, mode
+        assert time.perf_counter() - start < budget, mode
 
 
 HOSTILE_FRAGMENTS = [*FRAGMENTS, "-", "a-", "..", "1.", "_", "é", "a.b", "!", "x@", "@-", "[1.2.3.4]", "\u00a0"]
