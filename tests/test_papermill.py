@@ -25,9 +25,7 @@ def snapshot(folder: Path) -> dict:
 
 @pytest.mark.parametrize("how", ["-p", "-f"])
 def test_a_chapter_run_by_papermill_warns_of_nothing_and_leaves_the_committed_report_alone(tmp_path, how):
-    params = tmp_path / "params.yaml"
-    params.write_text("preset: tiny\n")  # a parameters file holds the chapter's parameters, not a preset's sections
-    args = ["-p", "preset", "tiny"] if how == "-p" else ["-f", str(params)]
+    args = ["-p", "preset", "tiny"] if how == "-p" else ["-f", "configs/papermill/tiny.yaml"]   # the preset's papermill file
     env = {k: v for k, v in os.environ.items() if k not in ("OPENPRETRAIN_OUTPUTS", REPORT_RUN)}  # not the runner
     before, start = snapshot(COMMITTED), time.time_ns()
     done = subprocess.run([sys.executable, "-m", "papermill", f"nbs/{CHAPTER}.ipynb", str(tmp_path / "out.ipynb"),
@@ -40,6 +38,13 @@ def test_a_chapter_run_by_papermill_warns_of_nothing_and_leaves_the_committed_re
     assert snapshot(COMMITTED) == before
     written = sorted((project_root() / SCRATCH_OUTPUTS / "tiny" / "tables").glob(f"{CHAPTER}-*.csv"))
     assert written and all(p.stat().st_mtime_ns >= start for p in written)  # its tables went to the scratch root
+
+
+def test_every_preset_has_its_papermill_file_naming_it():
+    import yaml
+    presets = {p.stem for p in (project_root() / "configs").glob("*.yaml")}
+    files = {p.stem: yaml.safe_load(p.read_text()) for p in (project_root() / "configs" / "papermill").glob("*.yaml")}
+    assert set(files) == presets and all(v == {"preset": k} for k, v in files.items())
 
 
 def test_the_runner_stores_a_chapter_without_the_iprogress_warning_or_a_machine_path(tmp_path):
