@@ -210,3 +210,13 @@ def test_sft_starts_from_a_runs_newest_verified_checkpoint(trained, tmp_path, mo
     monkeypatch.setattr(sft, "finetune", lambda p, start, out, conversations, tok, *rest: started.append(start) or out)
     assert cli(["sft", "--from", str(run), "--out", str(tmp_path / "sft")]) == 0
     assert started == [latest_valid_checkpoint(run / "checkpoints")]
+
+
+def test_a_closed_pipe_ends_a_command_quietly():
+    "`openpretrain presets | head -1`: no BrokenPipeError traceback, the status a shell tool gives (141)."
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "openpretrain", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()                                   # the reader is gone before the first line
+    assert proc.wait(timeout=60) in (0, 141) and b"Traceback" not in proc.stderr.read()

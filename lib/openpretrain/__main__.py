@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"openpretrain {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:        # the reader went away (`openpretrain presets | head`): stop quietly, as `ls` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the interpreter's final flush cannot fail
+        return 141
 
 # %% ../../nbs/91_cli.ipynb #d5bba579
 if __name__ == "__main__":
