@@ -2601,6 +2601,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.run_constants': ( 'train.html#run_constants',
                                                                                                 'openpretrain/training/trainer.py'),
+                                               'openpretrain.training.trainer.run_flags': ( 'train.html#run_flags',
+                                                                                            'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.run_folder': ( 'train.html#run_folder',
                                                                                              'openpretrain/training/trainer.py'),
                                                'openpretrain.training.trainer.save': ( 'train.html#save',

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..core import SET_HELP, ConfigError, Preset, bounded, load_preset, project_root
+from ..core import ConfigError, Preset, bounded, load_preset, project_root
 from ..chat import END, chat_ids, render
 from ..engine import ChatModel, check_room, generate
 from .sft import SFTConfig, sft_data, sft_preset, translate
@@ -33,7 +33,7 @@ from ..tokenization import HFTokenizer
 from ..training.checkpoint import (CheckpointError, checkpoint_tokenizer, checkpoints, find_checkpoint,
                                               latest_valid_checkpoint, load_model, verify_checkpoint)
 from ..training.plan import RowLoader, fingerprint, plan
-from ..training.trainer import CANNOT_START, run_command, train
+from ..training.trainer import CANNOT_START, run_command, run_flags, train
 
 # %% auto #0
 __all__ = ['TRANSFORMS', 'LOG_Z', 'quantile_reward', 'transform', 'identity_beta_log_z', 'beta_log_z', 'QRPOConfig',
@@ -347,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="start", required=True, help="sft's --out folder, its run folder or a checkpoint")
     ap.add_argument("--method", choices=("qrpo", "dpo"), default="qrpo", help="the loss (default: qrpo, as Apertus)")
     ap.add_argument("--preset", default="tiny", help="the preset sft ran (its sft and alignment sections)")
-    ap.add_argument("--out", default=None, help="run folder (default: runs/<preset>-<method>)")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the epochs)")
-    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its newest valid checkpoint")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    run_flags(ap, "runs/<preset>-<method>", "the epochs")
     args = ap.parse_args(argv)
     def job() -> Path:
         start, tok_path = sft_model(args.start)

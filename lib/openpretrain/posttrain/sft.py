@@ -271,18 +271,15 @@ def finetune(p: Preset, base_checkpoint: str | os.PathLike | None, out: str | os
 # %% ../../../nbs/16_sft.ipynb #e627d5bb
 def main(argv: list[str] | None = None) -> int:
     "`openpretrain sft --preset tiny --from CHECKPOINT [--out DIR] [--max-steps N] [--resume] [--set section.key=value …]`."
-    from openpretrain.core import SET_HELP, project_root
-    from openpretrain.training.trainer import CANNOT_START, run_command
+    from openpretrain.core import project_root
+    from openpretrain.training.trainer import CANNOT_START, run_command, run_flags
     ap = argparse.ArgumentParser(prog="openpretrain sft", description="fine-tune a preset's pretrained model (chapter 16); "
                                  "prints the run folder and each checkpoint; Ctrl-C or SIGTERM checkpoints after the "
                                  "current step (exit 130/143)")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path (its sft section)")
     ap.add_argument("--from", dest="start", required=True, help="a verified checkpoint of the preset's pretrained model, "
                     "or its run folder (the newest verified checkpoint)")
-    ap.add_argument("--out", default=None, help="folder of the chat tokenizer and the run (default: runs/<preset>-sft)")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the sft epochs)")
-    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its newest valid checkpoint")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    run_flags(ap, "runs/<preset>-sft: the chat tokenizer and run/", "the sft epochs")
     args = ap.parse_args(argv)
     def job() -> Path:
         start = find_checkpoint(args.start)

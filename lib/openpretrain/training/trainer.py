@@ -31,7 +31,7 @@ __all__ = ['PRETRAINING', 'STEP_KEYS', 'HOST', 'STOP_SIGNALS', 'CANNOT_START', '
            'NonFiniteError', 'train_step', 'kept_rows', 'MetricsLog', 'read_metrics', 'metrics_row', 'goldfish_share',
            'run_constants', 'step_batches', 'Interrupted', 'Host', 'stop_handler', 'hosting', 'stop_requested',
            'announce', 'train_loop', 'save', 'weights_finite', 'last_verified', 'run_folder', 'check_fresh',
-           'keep_tokenizer', 'start_run', 'build_run', 'start_from', 'resume_run', 'train', 'train_preset',
+           'keep_tokenizer', 'start_run', 'build_run', 'start_from', 'resume_run', 'train', 'train_preset', 'run_flags',
            'run_command', 'main']
 
 # %% ../../../nbs/11_train.ipynb #f8676966
@@ -437,6 +437,13 @@ def train_preset(preset: Preset | str, out_dir: str | os.PathLike | None = None,
 # %% ../../../nbs/11_train.ipynb #e28c9f62
 CANNOT_START = (ConfigError, CheckpointError, FolderInUse, OSError)   # a run that cannot start: one line, exit 2
 
+def run_flags(ap: argparse.ArgumentParser, out: str, steps: str) -> None:
+    "The flags every training command shares: its run folder (`out`: the default), a step cap (`steps`: the default), resume, --set."
+    ap.add_argument("--out", default=None, help=f"run folder (default: {out})")
+    ap.add_argument("--max-steps", type=int, default=None, help=f"stop after N optimizer steps (default: {steps})")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its newest valid checkpoint")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+
 def run_command(prog: str, job: Callable[[], Path], cannot_start: tuple[type[Exception], ...] = CANNOT_START) -> int:
     "A training command's exit status: `job` run hosted, its final checkpoint printed last (0); one line for 2, 1, 128 + signal."
     try:
@@ -460,10 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="openpretrain train", description="pretrain a preset's model; prints the run folder "
                                  "and each checkpoint; Ctrl-C or SIGTERM checkpoints after the current step (exit 130/143)")
     ap.add_argument("--preset", default="tiny", help="preset name or YAML path")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (default: the token budget)")
-    ap.add_argument("--out", default=None, help="run folder for metrics.jsonl and checkpoints (default: runs/<preset>)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --out")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    run_flags(ap, "runs/<preset>: metrics.jsonl and checkpoints/", "the token budget")
     args = ap.parse_args(argv)
     def job() -> Path:
         metrics = train_preset(load_preset(args.preset).override(args.set), args.out, args.max_steps, args.resume)
