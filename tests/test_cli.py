@@ -220,3 +220,17 @@ def test_a_closed_pipe_ends_a_command_quietly():
                             stderr=subprocess.PIPE)
     proc.stdout.close()                                   # the reader is gone before the first line
     assert proc.wait(timeout=60) in (0, 141) and b"Traceback" not in proc.stderr.read()
+
+
+def test_two_exports_into_one_folder_leave_one_whole_copy_and_one_line(trained, tmp_path):
+    "Run at once, one export renames its folder into OUT; the other says in one line that OUT was filled meanwhile."
+    import subprocess
+    import sys
+    out = tmp_path / "hf"
+    procs = [subprocess.Popen([sys.executable, "-m", "openpretrain", "export", str(trained("dense")), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    done = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in done) == [0, 2]                   # OUT filled before or while the other ran
+    assert all("Traceback" not in err for _, err in done)
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert not list(tmp_path.glob(".hf.*.tmp"))                      # no temporary folder left behind

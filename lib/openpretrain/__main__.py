@@ -100,7 +100,11 @@ def _export(args) -> int:
         try:
             export_hf(checkpoint, tmp)
             hf_tok.save_pretrained(tmp)
-            os.replace(tmp, out)                           # whole or absent (an empty OUT is replaced)
+            try:
+                os.replace(tmp, out)                       # whole or absent (an empty OUT is replaced)
+            except OSError as e:                           # another export filled OUT meanwhile: its copy stays whole
+                raise ConfigError(f"OUT {out}: {e.strerror} (written meanwhile by another export?); "
+                                  "choose another folder") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except CheckpointError as e:
